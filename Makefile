@@ -1,0 +1,35 @@
+# Two commands on a fresh machine:  `make up`  (serve the embedded model)  and  `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: install up test test-fast bench-transfer protos check-protos clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first, pinned: the CPU wheel; an unpinned torch would pull a multi-GB CUDA build
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+up: install
+	$(VENV)/bin/splitserve up
+
+test: install
+	$(PY) -m pytest -q
+
+test-fast: install
+	$(PY) -m pytest -q -m "not slow"
+
+bench-transfer: install
+	$(PY) benchmarks/kv_transfer.py
+
+protos: install
+	$(PY) scripts/gen_protos.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

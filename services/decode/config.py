@@ -1,0 +1,39 @@
+"""Decode worker settings: CLI flags with PD_* environment defaults."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+from splitserve.engine.args import add_engine_args, engine_config
+from splitserve.engine.async_engine import EngineConfig
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeConfig:
+    model: str
+    host: str = "127.0.0.1"
+    port: int = 50071
+    transport: str = "ucx"
+    kv_transfer_timeout_s: float = 10.0  # a KV pull that takes longer fails the request
+    torch_threads: int = 1
+    engine: EngineConfig = EngineConfig()
+
+    def __post_init__(self) -> None:
+        if self.kv_transfer_timeout_s <= 0:
+            raise ValueError(f"kv_transfer_timeout_s must be > 0, got {self.kv_transfer_timeout_s}")
+
+
+def parse(argv: list[str] | None = None) -> DecodeConfig:
+    env = os.environ.get
+    ap = argparse.ArgumentParser(prog="splitserve decode", description="Run a decode worker.")
+    add_engine_args(ap)
+    ap.add_argument("--host", default=env("PD_HOST", "127.0.0.1"))
+    ap.add_argument("--port", type=int, default=int(env("PD_DECODE_PORT", "50071")))
+    ap.add_argument("--kv-transfer-timeout-s", type=float, default=float(env("PD_KV_TRANSFER_TIMEOUT_S", "10")))
+    a = ap.parse_args(argv)
+    return DecodeConfig(
+        model=a.model, host=a.host, port=a.port, transport=a.transport,
+        kv_transfer_timeout_s=a.kv_transfer_timeout_s, torch_threads=a.torch_threads, engine=engine_config(a),
+    )

@@ -1,0 +1,43 @@
+"""Prefill worker settings: CLI flags with PD_* environment defaults."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+from splitserve.engine.args import add_engine_args, engine_config
+from splitserve.engine.async_engine import EngineConfig
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillConfig:
+    model: str
+    host: str = "127.0.0.1"  # gRPC control address
+    port: int = 50061
+    data_host: str = "127.0.0.1"  # address advertised for KV pulls
+    data_port: int = 0  # 0 = any free port
+    transport: str = "ucx"
+    kv_lease_s: float = 30.0  # KV blocks are freed if no decode worker pulls them within this time
+    torch_threads: int = 1
+    engine: EngineConfig = EngineConfig()
+
+    def __post_init__(self) -> None:
+        if self.kv_lease_s <= 0:
+            raise ValueError(f"kv_lease_s must be > 0, got {self.kv_lease_s}")
+
+
+def parse(argv: list[str] | None = None) -> PrefillConfig:
+    env = os.environ.get
+    ap = argparse.ArgumentParser(prog="splitserve prefill", description="Run a prefill worker.")
+    add_engine_args(ap)
+    ap.add_argument("--host", default=env("PD_HOST", "127.0.0.1"))
+    ap.add_argument("--port", type=int, default=int(env("PD_PREFILL_PORT", "50061")))
+    ap.add_argument("--data-host", default=env("PD_DATA_HOST", "127.0.0.1"))
+    ap.add_argument("--data-port", type=int, default=int(env("PD_DATA_PORT", "0")))
+    ap.add_argument("--kv-lease-s", type=float, default=float(env("PD_KV_LEASE_S", "30")))
+    a = ap.parse_args(argv)
+    return PrefillConfig(
+        model=a.model, host=a.host, port=a.port, data_host=a.data_host, data_port=a.data_port,
+        transport=a.transport, kv_lease_s=a.kv_lease_s, torch_threads=a.torch_threads, engine=engine_config(a),
+    )

@@ -1,0 +1,62 @@
+"""KV held by a prefill worker between its response and the decode worker's pull.
+
+A transfer's blocks are freed exactly once: when the pull completes (or fails), when the decode
+side releases them (ReleaseKV), or when the lease expires.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Callable
+
+from splitserve.transfer.base import KVSender
+
+logger = logging.getLogger(__name__)
+
+
+class KVLeases:
+    def __init__(self, sender: KVSender, free_blocks: Callable[[list[int]], None], lease_s: float) -> None:
+        self._sender = sender
+        self._free_blocks = free_blocks
+        self._lease_s = lease_s
+        self._held: dict[str, tuple[list[int], asyncio.TimerHandle]] = {}
+        self.expired = 0
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def hold(self, transfer_id: str, block_ids: list[int]) -> None:
+        timer = asyncio.get_running_loop().call_later(self._lease_s, self._expire, transfer_id)
+        self._held[transfer_id] = (block_ids, timer)
+        self._sender.register(transfer_id, block_ids, self._on_done)
+
+    def _on_done(self, transfer_id: str, ok: bool) -> None:
+        if not ok:
+            logger.warning("KV transfer %s failed; freeing its blocks", transfer_id)
+        self._drop(transfer_id)
+
+    def _expire(self, transfer_id: str) -> None:
+        if self._sender.unregister(transfer_id):
+            logger.warning("KV lease expired for transfer %s: no decode worker pulled it", transfer_id)
+            self.expired += 1
+            self._drop(transfer_id)
+
+    def release(self, transfer_id: str) -> bool:
+        """Free without sending (the decode leg will not come). False if nothing is held."""
+        if transfer_id not in self._held:
+            return False
+        self._sender.unregister(transfer_id)
+        self._drop(transfer_id)
+        return True
+
+    def _drop(self, transfer_id: str) -> None:
+        entry = self._held.pop(transfer_id, None)
+        if entry is not None:
+            block_ids, timer = entry
+            timer.cancel()
+            self._free_blocks(block_ids)
+
+    def release_all(self) -> None:
+        for transfer_id in list(self._held):
+            self.release(transfer_id)

@@ -1,0 +1,57 @@
+"""Prefill worker process: engine + KV sender (data plane) + gRPC PrefillService (control plane)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from pd.v1 import prefill_pb2, prefill_pb2_grpc
+
+from splitserve.services.prefill.config import PrefillConfig, parse
+from splitserve.services.prefill.server import PrefillServicer
+from splitserve.engine.async_engine import AsyncEngine, set_torch_threads
+from splitserve.logs import setup_logging
+from splitserve.model import load_model
+from splitserve.rpc.server import bind, create_server, set_serving, stop_event_on_signals
+from splitserve.transfer import create_sender
+
+logger = logging.getLogger("splitserve.prefill")
+SERVICE = prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name
+
+
+async def serve(config: PrefillConfig) -> None:
+    set_torch_threads(config.torch_threads)
+    lm = load_model(config.model)
+    engine = AsyncEngine(lm, config.engine)
+    await engine.start()
+    sender = create_sender(config.transport, engine.kv_cache, engine.layout, host=config.data_host, port=config.data_port)
+    await sender.start()
+    server, health = create_server()
+    servicer = PrefillServicer(engine, sender, config.transport, config.kv_lease_s)
+    prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, server)
+    port = bind(server, config.host, config.port)
+    await server.start()
+    await set_serving(health, [SERVICE])
+    logger.info(
+        "prefill worker ready: grpc %s:%d, kv data %s (%s), model %s, %d KV blocks of %d tokens",
+        config.host, port, sender.endpoint, config.transport, lm.model_id, engine.num_blocks, config.engine.block_size,
+    )
+    stop = stop_event_on_signals()
+    try:
+        await stop.wait()
+    finally:
+        logger.info("prefill worker stopping")
+        await set_serving(health, [SERVICE], serving=False)
+        await server.stop(grace=2)
+        servicer.leases.release_all()
+        await sender.close()
+        await engine.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    setup_logging("prefill")
+    asyncio.run(serve(parse(argv)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""Router process: OpenAI-compatible HTTP (uvicorn) and RouterService gRPC in one asyncio loop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import uvicorn
+from pd.v1 import router_pb2, router_pb2_grpc
+
+from splitserve.services.router.backend import DisaggregatedBackend
+from splitserve.services.router.config import RouterConfig, parse
+from splitserve.services.router.grpc_api import RouterServicer
+from splitserve.frontend.http_app import build_app
+from splitserve.logs import setup_logging
+from splitserve.rpc.server import bind, create_server, set_serving, stop_event_on_signals
+from splitserve.served_model import load_served_model
+
+logger = logging.getLogger("splitserve.router")
+SERVICE = router_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name
+
+
+async def serve(config: RouterConfig) -> None:
+    served = load_served_model(config.model, config.served_model_name)
+    backend = DisaggregatedBackend(list(config.prefill), list(config.decode), config.prefill_timeout_s)
+    server, health = create_server()
+    router_pb2_grpc.add_RouterServiceServicer_to_server(RouterServicer(backend, served.tokenizer, served.max_model_len), server)
+    grpc_port = bind(server, config.host, config.grpc_port)
+    await server.start()
+    app = build_app(served, backend)
+    http = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.http_port, log_level="warning", lifespan="off"))
+    http.install_signal_handlers = lambda: None  # signals are ours (stop_event_on_signals)
+    http_task = asyncio.create_task(http.serve())
+    while not http.started and not http_task.done():
+        await asyncio.sleep(0.05)
+    if http_task.done():
+        await server.stop(0)
+        raise SystemExit(f"router: HTTP server failed to start on {config.host}:{config.http_port}")
+    layout_check = asyncio.create_task(backend.check_layouts())  # workers may still be starting
+    await set_serving(health, [SERVICE])
+    logger.info(
+        "router ready: http http://%s:%d/v1, grpc %s:%d, model %s, prefill %s, decode %s",
+        config.host, config.http_port, config.host, grpc_port, served.name, ",".join(config.prefill), ",".join(config.decode),
+    )
+    stop = stop_event_on_signals()
+    try:
+        await stop.wait()
+    finally:
+        logger.info("router stopping")
+        layout_check.cancel()
+        http.should_exit = True
+        await server.stop(grace=2)
+        await http_task
+        await backend.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    setup_logging("router")
+    asyncio.run(serve(parse(argv)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""`splitserve colocated`: the same engine and HTTP/gRPC API in one process (reference and baseline)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+from pathlib import Path
+
+import uvicorn
+from pd.v1 import router_pb2_grpc
+
+from splitserve.engine.args import add_engine_args, engine_config
+from splitserve.services.router.grpc_api import RouterServicer
+from splitserve.colocated.backend import LocalBackend
+from splitserve.engine.async_engine import AsyncEngine, set_torch_threads
+from splitserve.frontend.http_app import build_app
+from splitserve.logs import setup_logging
+from splitserve.model import load_model
+from splitserve.rpc.server import bind, create_server, set_serving, stop_event_on_signals
+from splitserve.served_model import ServedModel
+
+logger = logging.getLogger("splitserve.colocated")
+
+
+async def serve(args: argparse.Namespace) -> None:
+    set_torch_threads(args.torch_threads)
+    lm = load_model(args.model)
+    engine = AsyncEngine(lm, engine_config(args))
+    await engine.start()
+    backend = LocalBackend(engine)
+    served = ServedModel(args.served_model_name or Path(args.model).name.removesuffix(".gguf"), lm.tokenizer, lm.max_model_len)
+    server, health = create_server()
+    router_pb2_grpc.add_RouterServiceServicer_to_server(RouterServicer(backend, lm.tokenizer, lm.max_model_len), server)
+    grpc_port = bind(server, args.host, args.grpc_port)
+    await server.start()
+    http = uvicorn.Server(uvicorn.Config(build_app(served, backend), host=args.host, port=args.http_port, log_level="warning", lifespan="off"))
+    http.install_signal_handlers = lambda: None
+    http_task = asyncio.create_task(http.serve())
+    await set_serving(health, ["pd.v1.RouterService"])
+    logger.info("colocated server ready: http http://%s:%d/v1, grpc %s:%d, model %s", args.host, args.http_port, args.host, grpc_port, lm.model_id)
+    stop = stop_event_on_signals()
+    try:
+        await asyncio.wait([asyncio.create_task(stop.wait()), http_task], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        http.should_exit = True
+        await server.stop(grace=2)
+        await http_task
+        await engine.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    env = os.environ.get
+    ap = argparse.ArgumentParser(prog="splitserve colocated", description="Serve prefill and decode in one process.")
+    add_engine_args(ap)
+    ap.add_argument("--served-model-name", default=env("PD_SERVED_MODEL_NAME"))
+    ap.add_argument("--host", default=env("PD_HOST", "127.0.0.1"))
+    ap.add_argument("--http-port", type=int, default=int(env("PD_HTTP_PORT", "8000")))
+    ap.add_argument("--grpc-port", type=int, default=int(env("PD_GRPC_PORT", "50050")))
+    setup_logging("coloc")
+    asyncio.run(serve(ap.parse_args(argv)))

@@ -1,0 +1,23 @@
+"""Command-line flags shared by every process that runs an engine (prefill, decode, colocated)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from splitserve.engine.async_engine import EngineConfig
+from splitserve.paths import default_model_path
+
+
+def add_engine_args(ap: argparse.ArgumentParser) -> None:
+    env = os.environ.get
+    ap.add_argument("--model", default=env("PD_MODEL", str(default_model_path())), help="HF folder or .gguf file")
+    ap.add_argument("--block-size", type=int, default=int(env("PD_BLOCK_SIZE", "16")), help="tokens per KV block")
+    ap.add_argument("--kv-cache-mb", type=int, default=int(env("PD_KV_CACHE_MB", "256")), help="KV pool size, MiB")
+    ap.add_argument("--max-num-seqs", type=int, default=int(env("PD_MAX_NUM_SEQS", "64")))
+    ap.add_argument("--torch-threads", type=int, default=int(env("PD_TORCH_THREADS", "1")))
+    ap.add_argument("--transport", default=env("PD_KV_TRANSPORT", "ucx"), choices=["ucx", "inproc"])
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(block_size=args.block_size, kv_cache_mb=args.kv_cache_mb, max_num_seqs=args.max_num_seqs)

@@ -1,0 +1,173 @@
+"""asyncio face of the engine: per-request async streams over the engine-core thread."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import torch
+
+from splitserve.engine.block_manager import BlockManager
+from splitserve.engine.core import EngineCore, RequestOutput
+from splitserve.engine.runner import ModelRunner
+from splitserve.engine.sampling import SamplingParams
+from splitserve.engine.scheduler import Scheduler, SchedulerConfig
+from splitserve.engine.sequence import Sequence, SeqMode
+from splitserve.errors import InvalidRequest
+from splitserve.model import LoadedModel
+from splitserve.transfer.layout import KVLayout
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    block_size: int = 16  # tokens per KV block
+    kv_cache_mb: int = 256  # size of the preallocated KV pool, MiB
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.kv_cache_mb < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError(f"engine settings must be positive: {self}")
+
+
+class AsyncEngine:
+    """One model with its paged KV cache, served to asyncio code.
+
+    Modes: ``generate`` (prefill + decode here), ``prefill`` (first token, KV blocks handed to the
+    caller), ``decode_prefilled`` (KV already placed in blocks from ``allocate_blocks``).
+    """
+
+    def __init__(self, lm: LoadedModel, config: EngineConfig) -> None:
+        self.lm = lm
+        self.config = config
+        self.max_model_len = lm.max_model_len
+        mc = lm.config
+        self.layout = KVLayout(lm.model_id, mc.num_layers, mc.num_kv_heads, mc.head_dim, config.block_size, mc.dtype)
+        num_blocks = max(1, config.kv_cache_mb * 2**20 // self.layout.block_nbytes)
+        self.kv_cache = self.layout.allocate_cache(num_blocks)
+        self.block_manager = BlockManager(num_blocks)
+        sched = Scheduler(
+            SchedulerConfig(config.block_size, config.max_num_seqs, max(config.max_num_batched_tokens, self.max_model_len), self.max_model_len),
+            self.block_manager,
+            lm.eos_token_ids,
+        )
+        self.core = EngineCore(ModelRunner(lm, self.kv_cache, config.block_size), sched, self._emit_threadsafe)
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ids = itertools.count()
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_manager.num_blocks
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self.core.start()
+
+    async def stop(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self.core.stop)
+
+    # --- outputs from the engine thread ----------------------------------------------------
+    def _emit_threadsafe(self, outputs: list[RequestOutput]) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._dispatch, outputs)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            q = self._queues.get(out.request_id)
+            if q is not None:
+                q.put_nowait(out)
+            elif out.block_ids:  # consumer gone before it took ownership of the KV blocks
+                self.core.free(out.block_ids)
+
+    def _validate(self, prompt_token_ids: list[int]) -> None:
+        if not prompt_token_ids:
+            raise InvalidRequest("prompt must contain at least one token")
+        vocab = self.lm.config.vocab_size
+        if any(t < 0 or t >= vocab for t in prompt_token_ids):
+            raise InvalidRequest(f"prompt token ids must be in [0, {vocab})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise InvalidRequest(f"prompt has {len(prompt_token_ids)} tokens; the model's context is {self.max_model_len}")
+
+    async def _stream(self, seq: Sequence) -> AsyncIterator[RequestOutput]:
+        if seq.request_id in self._queues:
+            raise InvalidRequest(f"duplicate request_id {seq.request_id}")
+        q: asyncio.Queue = asyncio.Queue()
+        self._queues[seq.request_id] = q
+        finished = False
+        try:
+            self.core.add(seq)
+            while True:
+                out: RequestOutput = await q.get()
+                if out.error is not None:
+                    finished = True
+                    raise out.error
+                yield out
+                if out.finish_reason is not None or out.block_ids is not None:
+                    finished = True
+                    return
+        finally:
+            del self._queues[seq.request_id]
+            if not finished:
+                self.core.abort(seq.request_id)
+                while not q.empty():  # outputs that raced the abort may carry KV blocks
+                    late = q.get_nowait()
+                    if late.block_ids:
+                        self.core.free(late.block_ids)
+
+    # --- public API ----------------------------------------------------------------------
+    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Prefill and decode here; yields one RequestOutput per step. Closing the iterator aborts."""
+        self._validate(prompt_token_ids)
+        return self._stream(Sequence(request_id, list(prompt_token_ids), params, SeqMode.GENERATE))
+
+    async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestOutput:
+        """Run prefill; returns the first token. Unless ``finish_reason`` is set, ``block_ids`` holds the
+        prompt's KV and the caller owns those blocks (``free_blocks`` when done). Cancel-safe."""
+        self._validate(prompt_token_ids)
+        seq = Sequence(request_id, list(prompt_token_ids), params, SeqMode.PREFILL_ONLY)
+        async for out in self._stream(seq):
+            return out
+        raise RuntimeError("prefill produced no output")
+
+    def decode_prefilled(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, first_token_id: int, block_ids: list[int]
+    ) -> AsyncIterator[RequestOutput]:
+        """Continue a request whose prompt KV is already in ``block_ids`` (ownership passes to the engine)."""
+        self._validate(prompt_token_ids)
+        seq = Sequence(request_id, list(prompt_token_ids), params, SeqMode.DECODE_PREFILLED)
+        seq.output_token_ids = [first_token_id]
+        seq.block_table = list(block_ids)
+        seq.num_computed_tokens = len(prompt_token_ids)
+        return self._stream(seq)
+
+    async def allocate_blocks(self, num_blocks: int) -> list[int]:
+        """Reserve KV blocks (e.g. to receive a transfer into). Raises CapacityExhausted."""
+        return await asyncio.wrap_future(self.core.allocate(num_blocks))
+
+    def free_blocks(self, block_ids: list[int]) -> None:
+        self.core.free(block_ids)
+
+    async def stats(self) -> dict[str, float]:
+        def read() -> dict[str, float]:
+            return {
+                "kv_blocks_total": self.block_manager.num_blocks,
+                "kv_blocks_free": self.block_manager.num_free,
+                "requests_running": len(self.core.scheduler.running),
+                "requests_waiting": len(self.core.scheduler.waiting),
+                "engine_steps": self.core.num_steps,
+                "prefill_tokens": self.core.num_prefill_tokens,
+                "decode_tokens": self.core.num_decode_tokens,
+            }
+
+        return await asyncio.wrap_future(self.core.call(read))
+
+
+def set_torch_threads(n: int) -> None:
+    if n > 0:
+        torch.set_num_threads(n)

@@ -1,0 +1,140 @@
+"""Continuous-batching scheduler (plain Python, no torch).
+
+Each step is either a prefill batch (waiting requests, packed up to ``max_num_batched_tokens``)
+or a decode batch (every running request, one token each). Prefill goes first, as in vLLM's v0
+scheduler and nano-vllm; new requests therefore join the running batch between steps and
+finished ones leave and free their KV blocks. When the KV pool runs out during decode the most
+recently admitted request is preempted (blocks freed, recomputed later).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from splitserve.engine.block_manager import BlockManager
+from splitserve.engine.sequence import Sequence, SeqMode, SeqStatus
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    block_size: int = 16
+    max_num_seqs: int = 64  # most requests in one decode batch
+    max_num_batched_tokens: int = 4096  # most prompt tokens in one prefill batch
+    max_model_len: int = 512  # prompt + output tokens
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, eos_token_ids: tuple[int, ...]) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _blocks_needed(self, seq: Sequence) -> int:
+        bs = self.config.block_size
+        return max(0, -(-seq.num_tokens // bs) - len(seq.block_table))
+
+    def add(self, seq: Sequence) -> None:
+        if seq.mode is SeqMode.DECODE_PREFILLED:
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+        else:
+            seq.status = SeqStatus.WAITING
+            self.waiting.append(seq)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Remove a request and free its KV blocks; returns it, or None if unknown."""
+        for queue in (self.waiting, self.running):
+            for seq in queue:
+                if seq.request_id == request_id:
+                    queue.remove(seq)
+                    self._release(seq, "abort")
+                    return seq
+        return None
+
+    def _release(self, seq: Sequence, finish_reason: str) -> None:
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = finish_reason
+        if seq.block_table:
+            self.block_manager.free(seq.block_table)
+            seq.block_table = []
+
+    def schedule(self) -> tuple[list[Sequence], bool]:
+        """Pick the next batch; returns (sequences, is_prefill)."""
+        batch: list[Sequence] = []
+        num_tokens = 0
+        while self.waiting and len(self.running) + len(batch) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if batch and num_tokens + seq.num_new_tokens > self.config.max_num_batched_tokens:
+                break
+            need = self._blocks_needed(seq)
+            if not self.block_manager.can_allocate(need):
+                break
+            self.waiting.popleft()
+            seq.block_table += self.block_manager.allocate(need)
+            seq.status = SeqStatus.RUNNING
+            batch.append(seq)
+            num_tokens += seq.num_new_tokens
+        if batch:
+            return batch, True
+        return self._schedule_decode(), False
+
+    def _schedule_decode(self) -> list[Sequence]:
+        scheduled: list[Sequence] = []
+        pending = list(self.running)
+        while pending:
+            seq = pending.pop(0)
+            need = self._blocks_needed(seq)
+            while not self.block_manager.can_allocate(need) and pending:
+                self._preempt(pending.pop())
+            if not self.block_manager.can_allocate(need):
+                self._preempt(seq)
+                continue
+            seq.block_table += self.block_manager.allocate(need)
+            scheduled.append(seq)
+        return scheduled
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq.block_table)
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
+        """Append sampled tokens, apply stop rules, free finished requests; returns the finished ones.
+
+        A finished PREFILL_ONLY sequence keeps its blocks: ownership passes to the caller.
+        """
+        finished = []
+        for seq, token_id in zip(seqs, token_ids):
+            seq.num_computed_tokens = seq.num_tokens
+            seq.output_token_ids.append(token_id)
+            reason = self._stop_reason(seq, token_id)
+            if seq.mode is SeqMode.PREFILL_ONLY:
+                seq.status = SeqStatus.FINISHED
+                seq.finish_reason = reason
+                self.running.remove(seq) if seq in self.running else None
+                finished.append(seq)
+                continue
+            if seq not in self.running:
+                self.running.append(seq)
+            if reason is not None:
+                self.running.remove(seq)
+                self._release(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def _stop_reason(self, seq: Sequence, token_id: int) -> str | None:
+        p = seq.params
+        if token_id in p.stop_token_ids or (not p.ignore_eos and token_id in self.eos_token_ids):
+            return "stop"
+        if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            return "length"
+        return None

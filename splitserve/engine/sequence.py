@@ -1,0 +1,53 @@
+"""Per-request state inside an engine (plain Python, no torch)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from splitserve.engine.sampling import SamplingParams
+
+
+class SeqMode(enum.Enum):
+    GENERATE = "generate"  # prefill locally, then decode until finished
+    PREFILL_ONLY = "prefill_only"  # prefill, sample the first token, hand the KV blocks to the caller
+    DECODE_PREFILLED = "decode_prefilled"  # KV of the prompt already in its blocks (transferred)
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    """One request.
+
+    ``num_computed_tokens`` tokens of ``token_ids`` (prompt + outputs) have K/V in the cache;
+    the next forward feeds ``token_ids[num_computed_tokens:]`` (the whole prompt at prefill,
+    the last sampled token at decode).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    mode: SeqMode = SeqMode.GENERATE
+    output_token_ids: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: str | None = None
+    cached_tokens: int = 0
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_new_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens

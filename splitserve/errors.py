@@ -1,0 +1,31 @@
+"""Typed errors shared by every service; mapped to gRPC status codes in one place (grpc_status)."""
+
+from __future__ import annotations
+
+
+class PdError(Exception):
+    """Base of all splitserve errors."""
+
+
+class InvalidRequest(PdError):
+    """The request is malformed or out of range (HTTP 400, INVALID_ARGUMENT)."""
+
+
+class KVLayoutMismatch(PdError):
+    """Prefill and decode KV layouts differ (FAILED_PRECONDITION)."""
+
+
+class KVTransferError(PdError):
+    """Moving KV bytes between workers failed or timed out (UNAVAILABLE)."""
+
+
+class TransferNotFound(PdError):
+    """The sender holds no KV for this transfer id: never registered, already sent, or lease expired (NOT_FOUND)."""
+
+
+class CapacityExhausted(PdError):
+    """No free KV blocks for the request (RESOURCE_EXHAUSTED)."""
+
+
+class WorkerUnavailable(PdError):
+    """No healthy worker could serve the request (UNAVAILABLE)."""

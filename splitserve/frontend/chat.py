@@ -1,0 +1,104 @@
+"""Chat prompts: render the model's chat template and encode it.
+
+The template is rendered the way Hugging Face transformers does
+(``apply_chat_template``): a jinja2 ``ImmutableSandboxedEnvironment`` with
+``trim_blocks`` and ``lstrip_blocks``, the ``loopcontrols`` extension, a ``tojson``
+filter that keeps non-ASCII text, and the globals ``raise_exception`` and
+``strftime_now``; the variables are ``messages``, ``add_generation_prompt=True``,
+``bos_token`` and ``eos_token``.
+
+Fallback when the model has no chat template (e.g. TinyStories): each message becomes
+``"{role}: {content}\\n"`` and the prompt ends with ``"assistant:"``, e.g.::
+
+    system: Be brief.
+    user: Tell me a story.
+    assistant:
+
+The rendered text is encoded with the model's special tokens (BOS) unless it already
+starts with ``bos_token``, so BOS is never added twice.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from datetime import datetime
+from functools import lru_cache
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from splitserve.frontend.errors import APIError
+
+FALLBACK_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+"""Plain-text template used when the model has no ``chat_template``."""
+
+
+class ChatTemplateError(Exception):
+    """The model's chat template does not compile (a server configuration error, HTTP 500)."""
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+@lru_cache(maxsize=16)
+def _compile(template: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(template)
+    except jinja2.exceptions.TemplateSyntaxError as e:
+        raise ChatTemplateError(f"the model's chat template does not compile: {e}") from e
+
+
+def render_chat(
+    messages: Sequence[dict[str, Any]],
+    chat_template: str | None,
+    bos_token: str | None = None,
+    eos_token: str | None = None,
+    add_generation_prompt: bool = True,
+) -> str:
+    """Render ``messages`` (dicts with at least ``role`` and ``content``) to prompt text.
+
+    Raises:
+        APIError: 400 when the template rejects the conversation (``raise_exception``)
+            or fails while rendering it.
+        ChatTemplateError: when the template itself does not compile.
+    """
+    template = _compile(chat_template if chat_template else FALLBACK_TEMPLATE)
+    try:
+        return template.render(
+            messages=list(messages),
+            add_generation_prompt=add_generation_prompt,
+            bos_token=bos_token or "",
+            eos_token=eos_token or "",
+        )
+    except jinja2.exceptions.TemplateError as e:
+        raise APIError(f"Invalid conversation for this model's chat template: {e}", param="messages") from None
+    except (TypeError, ValueError, KeyError, AttributeError) as e:
+        raise APIError(f"Could not apply the chat template: {e}", param="messages") from None
+
+
+def encode_chat(tokenizer: Any, messages: Sequence[dict[str, Any]]) -> list[int]:
+    """Render with the tokenizer's template (or the fallback) and encode without a double BOS."""
+    text = render_chat(messages, tokenizer.chat_template, tokenizer.bos_token, tokenizer.eos_token)
+    bos = tokenizer.bos_token
+    add_special = not (bos and text.startswith(bos))
+    return list(tokenizer.encode(text, add_special_tokens=add_special))

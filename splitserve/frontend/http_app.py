@@ -1,0 +1,193 @@
+"""The OpenAI-compatible HTTP API (Starlette), independent of where tokens come from.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
+``GET /health`` (200 when ``backend.ready()``, else 503).
+
+Streaming uses SSE: ``data: {json}\\n\\n`` events ending with ``data: [DONE]``; with
+``stream_options.include_usage`` a last chunk carries usage and empty choices. The first
+pipeline delta is produced before the response starts, so backend errors raised up to
+then (admission, capacity, prefill) get a real HTTP status and OpenAI error body; an
+error after streaming started becomes an SSE ``data: {"error": {...}}`` event followed by
+``data: [DONE]`` (as vLLM does). A client disconnect, streaming or not, closes the
+pipeline and so aborts the backend request. Request ids (``cmpl-<hex>`` /
+``chatcmpl-<hex>``) are made here; client-supplied ids are ignored.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from typing import Any
+
+import anyio
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import BaseRoute, Route
+
+from splitserve.engine.sampling import SamplingParams
+from splitserve.frontend.backend import GenerationBackend, ModelInfo
+from splitserve.frontend.chat import encode_chat
+from splitserve.frontend.errors import APIError, error_response, to_api_error
+from splitserve.frontend.pipeline import TextDelta, generate_text
+from splitserve.frontend.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest, ModelCard
+from splitserve.frontend.responses import ChatFormatter, CompletionFormatter, Outcome, ResponseFormatter
+from splitserve.frontend.sse import DONE, SSEResponse, cancel_on_disconnect, sse_event
+from splitserve.frontend import validation as v
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+"""OpenAI's default ``max_tokens`` for ``/v1/completions``."""
+
+CLIENT_CLOSED_REQUEST = 499
+
+
+def build_app(
+    model_info: ModelInfo, backend: GenerationBackend, *, extra_routes: Sequence[BaseRoute] | None = None
+) -> Starlette:
+    """Build the ASGI app serving ``model_info`` with tokens from ``backend``.
+
+    Args:
+        model_info: ``name``, ``tokenizer`` (TokenizerLike) and ``max_model_len``.
+        backend: the :class:`GenerationBackend` (colocated engine or P/D router).
+        extra_routes: more Starlette routes to mount (e.g. metrics, admin).
+    """
+    api = _OpenAIServer(model_info, backend)
+    routes: list[BaseRoute] = [
+        Route("/v1/completions", api.completions, methods=["POST"]),
+        Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
+        Route("/v1/models", api.models, methods=["GET"]),
+        Route("/health", api.health, methods=["GET"]),
+        *(extra_routes or ()),
+    ]
+    return Starlette(routes=routes, exception_handlers={HTTPException: _on_error, Exception: _on_error})
+
+
+async def _on_error(request: Request, exc: Exception) -> Response:
+    return error_response(exc)
+
+
+class _OpenAIServer:
+    """Request handlers bound to one model and backend."""
+
+    def __init__(self, model_info: ModelInfo, backend: GenerationBackend) -> None:
+        self.info = model_info
+        self.backend = backend
+        self.tokenizer = model_info.tokenizer
+        self.created = int(time.time())
+
+    async def completions(self, request: Request) -> Response:
+        """``POST /v1/completions``."""
+        try:
+            req = v.parse_request(await request.body(), CompletionRequest, v.UNSUPPORTED_COMPLETION)
+            v.check_model(req.model, self.info.name)
+            prompt_ids = v.completion_prompt_ids(req, self.tokenizer)
+            requested = COMPLETION_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+            params = self._params(req, prompt_ids, requested, "prompt")
+        except Exception as e:
+            return error_response(e)
+        fmt = CompletionFormatter(id=f"cmpl-{uuid.uuid4().hex}", model=self.info.name)
+        return await self._serve(request, req, prompt_ids, params, fmt)
+
+    async def chat_completions(self, request: Request) -> Response:
+        """``POST /v1/chat/completions``."""
+        try:
+            req = v.parse_request(await request.body(), ChatCompletionRequest, v.UNSUPPORTED_CHAT)
+            v.check_model(req.model, self.info.name)
+            prompt_ids = encode_chat(self.tokenizer, [m.template_dict() for m in req.messages])
+            params = self._params(req, prompt_ids, req.requested_max_tokens, "messages")
+        except Exception as e:
+            return error_response(e)
+        fmt = ChatFormatter(id=f"chatcmpl-{uuid.uuid4().hex}", model=self.info.name)
+        return await self._serve(request, req, prompt_ids, params, fmt)
+
+    async def models(self, request: Request) -> Response:
+        """``GET /v1/models``: the one served model."""
+        card = ModelCard(id=self.info.name, created=self.created, max_model_len=self.info.max_model_len)
+        return JSONResponse({"object": "list", "data": [card.model_dump()]})
+
+    async def health(self, request: Request) -> Response:
+        """``GET /health``: 200 when the backend is ready, else 503."""
+        try:
+            ready = await self.backend.ready()
+        except Exception:
+            ready = False
+        if ready:
+            return JSONResponse({"status": "ok"})
+        return error_response(APIError("backend not ready", status=503, type="server_error", code="not_ready"))
+
+    def _params(self, req: GenerationRequest, prompt_ids: list[int], requested: int | None, param: str) -> SamplingParams:
+        if req.stop_token_ids:
+            v.check_token_ids(req.stop_token_ids, self.tokenizer, "stop_token_ids")
+        max_tokens = v.completion_budget(len(prompt_ids), requested, self.info.max_model_len, param)
+        return v.sampling_params(req, max_tokens)
+
+    async def _serve(
+        self, request: Request, req: GenerationRequest, prompt_ids: list[int], params: SamplingParams, fmt: ResponseFormatter
+    ) -> Response:
+        deltas = generate_text(self.backend, self.tokenizer, fmt.id, prompt_ids, params, req.stop_list())
+        headers = {"x-request-id": fmt.id}
+        try:
+            finished, first = await cancel_on_disconnect(request.receive, deltas.__anext__)
+        except StopAsyncIteration:  # pipeline contract: never happens (a finish delta always comes)
+            finished, first = True, TextDelta("", [], "abort")
+        except Exception as e:
+            await _aclose(deltas)
+            return error_response(e, fmt.id)
+        if not finished:
+            await _aclose(deltas)
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        if req.stream:
+            events = _sse_events(deltas, first, fmt, len(prompt_ids), req.include_usage)
+            return SSEResponse(events, headers=headers)
+        try:
+            finished, outcome = await cancel_on_disconnect(request.receive, lambda: _collect(deltas, first))
+        except Exception as e:
+            return error_response(e, fmt.id)
+        finally:
+            await _aclose(deltas)
+        if not finished or outcome is None:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        return JSONResponse(fmt.full(outcome, len(prompt_ids)), headers=headers)
+
+
+async def _collect(deltas: AsyncIterator[TextDelta], first: TextDelta) -> Outcome:
+    outcome = Outcome()
+    outcome.add(first)
+    if first.finish_reason is None:
+        async for delta in deltas:
+            outcome.add(delta)
+            if delta.finish_reason is not None:
+                break
+    return outcome
+
+
+async def _sse_events(
+    deltas: AsyncGenerator[TextDelta, None], first: TextDelta, fmt: ResponseFormatter, prompt_tokens: int, include_usage: bool
+) -> AsyncGenerator[str, None]:
+    """SSE event strings for one streamed request; always ends with ``[DONE]``."""
+    outcome = Outcome()
+    try:
+        for chunk in fmt.start_chunks():
+            yield sse_event(chunk)
+        delta: TextDelta | None = first
+        while delta is not None:
+            outcome.add(delta)
+            for chunk in fmt.delta_chunks(delta):
+                yield sse_event(chunk)
+            if delta.finish_reason is not None:
+                break
+            delta = await anext(deltas, None)
+        if include_usage:
+            yield sse_event(fmt.usage_chunk(outcome.usage(prompt_tokens)))
+    except Exception as e:
+        yield sse_event(to_api_error(e, fmt.id).body())
+    finally:
+        await _aclose(deltas)
+    yield DONE
+
+
+async def _aclose(gen: Any) -> None:
+    with anyio.CancelScope(shield=True):
+        await gen.aclose()

@@ -1,0 +1,240 @@
+"""Pydantic models of the OpenAI ``/v1/completions`` and ``/v1/chat/completions`` wire format.
+
+Requests accept the OpenAI fields plus the vLLM-style extensions ``top_k``,
+``stop_token_ids`` and ``ignore_eos``. Fields this server cannot honour (``echo``,
+``logprobs``, ``best_of``, ``tools`` ...) are rejected by :mod:`.validation` with a 400
+naming the field; any other unknown field is rejected as OpenAI does
+("Unrecognized request argument supplied"). Responses and stream chunks have exactly
+OpenAI's shape (``logprobs`` always null).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
+
+MAX_STOP_STRINGS = 4
+
+
+class StreamOptions(BaseModel):
+    """``stream_options``: only ``include_usage`` is supported."""
+
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class GenerationRequest(BaseModel):
+    """Fields shared by completions and chat completions (sampling, stop, streaming)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[StrictInt] | None = None
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, v: str | list[str] | None) -> str | list[str] | None:
+        items = [v] if isinstance(v, str) else (v or [])
+        if len(items) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop sequences are allowed, got {len(items)}")
+        if any(s == "" for s in items):
+            raise ValueError("stop sequences must not be empty strings")
+        return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _check_stop_ids(cls, v: list[int] | None) -> list[int] | None:
+        if v and any(t < 0 for t in v):
+            raise ValueError("token ids must be non-negative")
+        return v
+
+    @field_validator("n")
+    @classmethod
+    def _check_n(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError("only n=1 is supported")
+        return v
+
+    @model_validator(mode="after")
+    def _check_stream_options(self) -> GenerationRequest:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+    def stop_list(self) -> list[str]:
+        """Stop strings as a list (possibly empty)."""
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a streamed response ends with a usage chunk."""
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(GenerationRequest):
+    """``POST /v1/completions``. ``prompt`` is one string or one list of token ids."""
+
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
+
+
+class TextContentPart(BaseModel):
+    """A ``{"type": "text", "text": ...}`` content part (the only kind supported)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    """One chat message; extra keys (``name``, ``tool_call_id`` ...) are passed to the template."""
+
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextContentPart] | None = None
+
+    def text(self) -> str:
+        """Content flattened to one string (text parts are concatenated)."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+    def template_dict(self) -> dict:
+        """The message as chat templates expect it: ``{"role", "content", ...extras}``."""
+        extras = {k: v for k, v in (self.model_extra or {}).items() if v is not None}
+        return {**extras, "role": self.role, "content": self.text()}
+
+
+class ChatCompletionRequest(GenerationRequest):
+    """``POST /v1/chat/completions``; ``max_completion_tokens`` wins over ``max_tokens``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        """The completion budget the client asked for, or None (up to the context limit)."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+# ---------------------------------------------------------------- responses
+
+
+class PromptTokensDetails(BaseModel):
+    """``usage.prompt_tokens_details``."""
+
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    """Token accounting of one request."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
+        """Usage with ``total_tokens`` filled in."""
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+        )
+
+
+class CompletionChoice(BaseModel):
+    """A choice of a completion response or stream chunk."""
+
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    """A ``text_completion`` object: the full response, or one stream chunk."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    """The assistant message of a non-streamed chat completion."""
+
+    role: Literal["assistant"] = "assistant"
+    content: str
+    refusal: str | None = None
+
+
+class ChatChoice(BaseModel):
+    """A choice of a ``chat.completion``."""
+
+    index: int = 0
+    message: ChatResponseMessage
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    """A non-streamed ``chat.completion`` object."""
+
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    system_fingerprint: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    """A choice of a stream chunk; ``delta`` holds only the keys that are present."""
+
+    index: int = 0
+    delta: dict[str, str]
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """A ``chat.completion.chunk`` object (one SSE event)."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class ModelCard(BaseModel):
+    """An entry of ``GET /v1/models``."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "splitserve"
+    max_model_len: int | None = None

@@ -1,0 +1,192 @@
+"""Turning a raw request body into validated inputs, or an :class:`APIError` (400/404).
+
+Covers: malformed JSON, pydantic errors (reported as 400 with a readable message and
+``param``, not FastAPI's 422), fields this server does not support, the model name,
+prompt normalisation, the context-length budget and :class:`SamplingParams`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+from splitserve.engine.sampling import SamplingParams
+from splitserve.frontend.errors import APIError, model_not_found
+from splitserve.frontend.protocol import CompletionRequest, GenerationRequest
+
+M = TypeVar("M", bound=BaseModel)
+
+_IGNORED = ("user", "metadata", "store", "service_tier", "parallel_tool_calls")
+
+
+def _falsy(v: Any) -> bool:
+    return not v
+
+
+def _is(*allowed: Any) -> Callable[[Any], bool]:
+    return lambda v: any(v is a or (type(v) is type(a) and v == a) for a in allowed)
+
+
+# field -> predicate telling whether the given value is one we can honour (i.e. a default)
+_UNSUPPORTED_COMMON: dict[str, Callable[[Any], bool]] = {
+    "logit_bias": _falsy,
+    "frequency_penalty": lambda v: v is None or v == 0,
+    "presence_penalty": lambda v: v is None or v == 0,
+}
+UNSUPPORTED_COMPLETION = {
+    **_UNSUPPORTED_COMMON,
+    "echo": _falsy,
+    "logprobs": _is(None, False),
+    "best_of": _is(None, 1),
+    "suffix": _falsy,
+}
+UNSUPPORTED_CHAT = {
+    **_UNSUPPORTED_COMMON,
+    "logprobs": _is(None, False),
+    "top_logprobs": _is(None),
+    "tools": _falsy,
+    "functions": _falsy,
+    "tool_choice": _is(None, "none", "auto"),
+    "function_call": _is(None, "none", "auto"),
+    "response_format": lambda v: v is None or v == {"type": "text"},
+    "modalities": lambda v: v is None or v == ["text"],
+    "audio": _is(None),
+    "prediction": _is(None),
+    "reasoning_effort": _is(None),
+    "web_search_options": _is(None),
+}
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "none", "list", "dict"}
+
+# readable messages for fields that accept several types (pydantic reports each union member)
+_UNION_HINTS = {
+    "prompt": "must be a string or a list of token ids (integers)",
+    "content": "must be a string or a list of text content parts ({'type': 'text', 'text': ...})",
+    "stop": "must be a string or a list of strings",
+}
+
+
+def parse_request(body: bytes, cls: type[M], unsupported: dict[str, Callable[[Any], bool]]) -> M:
+    """Parse and validate a JSON request body into ``cls``.
+
+    Raises:
+        APIError: 400 for malformed JSON, a non-object body, an unsupported or unknown
+            field, or any validation error.
+    """
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(f"We could not parse the JSON body of your request: {e}") from None
+    if not isinstance(data, dict):
+        raise APIError("The request body must be a JSON object.")
+    for name, acceptable in unsupported.items():
+        if name in data:
+            if not acceptable(data[name]):
+                raise APIError(f"'{name}' is not supported by this server.", param=name)
+            del data[name]
+    for name in _IGNORED:
+        data.pop(name, None)
+    try:
+        return cls.model_validate(data)
+    except ValidationError as e:
+        raise _readable(e) from None
+
+
+def _readable(e: ValidationError) -> APIError:
+    err = e.errors(include_url=False)[0]
+    parts = [
+        str(p) for p in err["loc"] if not (isinstance(p, str) and ("[" in p or p in _TYPE_TAGS or "-" in p))
+    ]
+    param = ".".join(parts) or None
+    msg = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "extra_forbidden":
+        return APIError(f"Unrecognized request argument supplied: {param}", param=param)
+    if err["type"] == "missing":
+        return APIError(f"Missing required parameter: '{param}'.", param=param)
+    if param is None:
+        return APIError(f"Invalid request: {msg}")
+    is_union = len(parts) < len(err["loc"])
+    hint = _UNION_HINTS.get(parts[-1]) if is_union else None
+    if hint is not None and not err["type"].startswith("value_error"):
+        return APIError(f"'{param}' {hint}.", param=param)
+    return APIError(f"Invalid value for '{param}': {msg}", param=param)
+
+
+def check_model(requested: str | None, served: str) -> None:
+    """Raise a 404 ``model_not_found`` unless the request names the served model (or none)."""
+    if requested is not None and requested != served:
+        raise model_not_found(requested)
+
+
+def completion_prompt_ids(req: CompletionRequest, tokenizer: Any) -> list[int]:
+    """Token ids of the single prompt of a completion request.
+
+    Raises:
+        APIError: 400 for batched prompts (several prompts), an empty prompt, or token
+            ids outside the vocabulary.
+    """
+    prompt: Any = req.prompt
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        if len(prompt) != 1:
+            raise APIError(
+                f"Batched prompts are not supported: 'prompt' holds {len(prompt)} prompts; "
+                "send one prompt per request.",
+                param="prompt",
+            )
+        prompt = prompt[0]
+    if len(prompt) == 0:
+        raise APIError("The prompt must not be empty.", param="prompt")
+    if isinstance(prompt, str):
+        return list(tokenizer.encode(prompt, add_special_tokens=True))
+    check_token_ids(prompt, tokenizer, "prompt")
+    return list(prompt)
+
+
+def check_token_ids(ids: Sequence[int], tokenizer: Any, param: str) -> None:
+    """Raise a 400 when an id is outside the tokenizer's vocabulary."""
+    vocab = tokenizer.hf.get_vocab_size(with_added_tokens=True)
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise APIError(f"Token id {bad[0]} in '{param}' is out of range [0, {vocab}).", param=param)
+
+
+def completion_budget(prompt_len: int, requested: int | None, max_model_len: int, param: str) -> int:
+    """The max_tokens to use: ``requested``, or all the room left when None.
+
+    Raises:
+        APIError: 400 ``context_length_exceeded`` when prompt + completion does not fit.
+    """
+    max_tokens = requested if requested is not None else max_model_len - prompt_len
+    if max_tokens < 1 or prompt_len + max_tokens > max_model_len:
+        shown = requested if requested is not None else 1
+        raise APIError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{prompt_len + shown} tokens ({prompt_len} in the prompt, {shown} in the completion). "
+            "Please reduce the length of the prompt or completion.",
+            param=param,
+            code="context_length_exceeded",
+        )
+    return max_tokens
+
+
+def sampling_params(req: GenerationRequest, max_tokens: int) -> SamplingParams:
+    """Build :class:`SamplingParams` (OpenAI defaults: temperature 1, top_p 1).
+
+    Raises:
+        APIError: 400 when SamplingParams rejects a value.
+    """
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=-1 if req.top_k is None else req.top_k,
+            seed=req.seed,
+            stop_token_ids=tuple(req.stop_token_ids or ()),
+            ignore_eos=req.ignore_eos,
+        )
+    except ValueError as e:
+        raise APIError(str(e)) from None

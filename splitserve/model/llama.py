@@ -1,0 +1,164 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over a paged KV cache.
+
+Parameter names match Hugging Face (``model.layers.N.self_attn.q_proj.weight`` ...), so a HF state
+dict loads directly. ``build_model`` constructs the module on the meta device and assigns the
+loaded tensors, so nothing is randomly initialised.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from splitserve.model.attention import AttentionMetadata, paged_attention, plan_attention
+from splitserve.model.config import ModelConfig
+from splitserve.model.layers import RMSNorm, SwiGLUMLP
+from splitserve.model.rope import RotaryEmbedding, apply_rope
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        dt, h, d = cfg.torch_dtype, cfg.hidden_size, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
+        self.q_proj = nn.Linear(h, cfg.num_heads * d, bias=cfg.attention_bias, dtype=dt)
+        self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.attention_bias, dtype=dt)
+        self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.attention_bias, dtype=dt)
+        self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=cfg.o_proj_bias, dtype=dt)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dt)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dt)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x, cos, sin, kv_cache, layer, plan):
+        """x: ``[T, hidden]`` -> ``[T, hidden]``; writes this layer's K/V into ``kv_cache``."""
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        o = paged_attention(q, k, v, kv_cache, layer, plan)
+        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size, cfg.torch_dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.torch_dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.torch_dtype)
+
+    def forward(self, h, cos, sin, kv_cache, layer, plan):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, layer, plan)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DecoderStack(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=cfg.torch_dtype)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.torch_dtype)
+
+
+class CausalLM(nn.Module):
+    """The full model. Call ``model(input_ids, positions, kv_cache, attn)``.
+
+    Attributes:
+        fast_decode: when True (default) all query_len == 1 sequences of a batch share one padded
+            SDPA call; when False every sequence runs its own call (reference path for tests).
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderStack(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=cfg.torch_dtype)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.fast_decode = True
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int, int, int]:
+        """``(num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)``."""
+        c = self.config
+        return (num_blocks, c.num_layers, 2, block_size, c.num_kv_heads, c.head_dim)
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, device: torch.device | str | None = None) -> torch.Tensor:
+        """Zeroed KV cache of ``kv_cache_shape(...)`` in the model dtype."""
+        dev = device if device is not None else self.lm_head.weight.device
+        return torch.zeros(self.kv_cache_shape(num_blocks, block_size), dtype=self.config.torch_dtype, device=dev)
+
+    @torch.no_grad()
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, attn: AttentionMetadata
+    ) -> torch.Tensor:
+        """Run the packed new tokens of one or more sequences.
+
+        Args:
+            input_ids: int64 ``[T]`` new tokens, sequences concatenated in ``attn`` order.
+            positions: int64 ``[T]`` absolute position of each token (RoPE), normally
+                ``seq_len - query_len + i`` for the i-th new token of a sequence.
+            kv_cache: ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`` in the model
+                dtype; updated in place.
+            attn: where to write and what to attend to (see AttentionMetadata).
+        Returns:
+            float32 ``[num_seqs, vocab_size]`` logits of each sequence's last new token.
+        Raises:
+            ValueError: bad shapes, dtype/device mismatch, or inconsistent metadata.
+        """
+        c = self.config
+        if input_ids.dim() != 1 or positions.shape != input_ids.shape:
+            raise ValueError(f"input_ids and positions must both be 1-D [T]; got {tuple(input_ids.shape)} and {tuple(positions.shape)}")
+        want = self.kv_cache_shape(kv_cache.shape[0], kv_cache.shape[3]) if kv_cache.dim() == 6 else None
+        if want is None or tuple(kv_cache.shape) != want:
+            raise ValueError(f"kv_cache shape {tuple(kv_cache.shape)} does not match model layout {want or '(6-D)'}")
+        if kv_cache.dtype != c.torch_dtype:
+            raise ValueError(f"kv_cache dtype {kv_cache.dtype} != model dtype {c.torch_dtype}")
+        dev = self.lm_head.weight.device
+        if kv_cache.device != dev:
+            raise ValueError(f"kv_cache is on {kv_cache.device} but the model is on {dev}")
+        input_ids, positions = input_ids.to(dev), positions.to(dev)
+        plan = plan_attention(attn, input_ids.shape[0], kv_cache, fast_decode=self.fast_decode)
+        h = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions, h.dtype)
+        for i, layer in enumerate(self.model.layers):
+            h = layer(h, cos, sin, kv_cache, i, plan)
+        last = self.model.norm(h[plan.last_token_index])
+        return self.lm_head(last).float()
+
+
+def build_model(cfg: ModelConfig, state_dict: dict[str, torch.Tensor]) -> CausalLM:
+    """Create a CausalLM in eval mode from HF-named tensors (converted to ``cfg.dtype``).
+
+    Tied models may provide either ``model.embed_tokens.weight`` or ``lm_head.weight``; both then
+    share one tensor. ``model.rotary_emb.*`` / ``*.rotary_emb.inv_freq`` entries are ignored.
+
+    Raises:
+        ValueError: missing or unexpected tensors, or shape mismatches (names listed).
+    """
+    sd = {k: v for k, v in state_dict.items() if "rotary_emb." not in k}
+    emb, head = "model.embed_tokens.weight", "lm_head.weight"
+    if cfg.tie_word_embeddings:
+        src = sd.get(emb, sd.get(head))
+        if src is None:
+            raise ValueError(f"tied model has neither {emb!r} nor {head!r}")
+        sd[emb] = sd[head] = src
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    expected = dict(model.named_parameters(remove_duplicate=False))
+    missing = sorted(set(expected) - set(sd))
+    unexpected = sorted(set(sd) - set(expected))
+    if missing or unexpected:
+        raise ValueError(f"weights do not match config: missing {missing[:8]}, unexpected {unexpected[:8]}")
+    for name, p in expected.items():
+        if tuple(sd[name].shape) != tuple(p.shape):
+            raise ValueError(f"tensor {name!r} has shape {tuple(sd[name].shape)}, config expects {tuple(p.shape)}")
+    model.load_state_dict({k: v.to(cfg.torch_dtype).contiguous() for k, v in sd.items() if k != head or not cfg.tie_word_embeddings},
+                          strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    return model.eval().requires_grad_(False)

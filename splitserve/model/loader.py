@@ -1,0 +1,66 @@
+"""``load_model``: one entry point for HF folders and GGUF files."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from splitserve.model.config import DTYPES, ModelConfig, make_model_id
+from splitserve.model.llama import CausalLM, build_model
+from splitserve.model.loader_gguf import load_gguf_file
+from splitserve.model.loader_hf import load_hf_folder
+from splitserve.model.tokenizer import Tokenizer
+
+
+@dataclass
+class LoadedModel:
+    """A ready-to-run model.
+
+    Attributes:
+        config: the model's ModelConfig.
+        model: CausalLM in eval mode; ``model(input_ids, positions, kv_cache, attn)`` -> float32 logits.
+        tokenizer: Tokenizer wrapper.
+        model_id: ``"<name>-<12 hex of sha256(config.canonical_json())>"``; never a path.
+        eos_token_ids: ids that end generation.
+        max_model_len: longest supported context in tokens.
+    """
+
+    config: ModelConfig
+    model: CausalLM
+    tokenizer: Tokenizer
+    model_id: str
+    eos_token_ids: tuple[int, ...]
+    max_model_len: int
+
+
+def load_model(path: str | Path, dtype: str = "float32") -> LoadedModel:
+    """Load a Hugging Face model folder or a ``.gguf`` file onto the CPU.
+
+    Args:
+        path: HF folder (config.json + *.safetensors + tokenizer.json) or a GGUF file.
+        dtype: "float32" (default), "float16" or "bfloat16" for weights and the KV cache.
+    Raises:
+        FileNotFoundError: the path or a required file does not exist.
+        ValueError: bad dtype, not a model folder/GGUF file, or malformed contents.
+        NotImplementedError: an architecture or feature the model code does not support.
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; expected one of {sorted(DTYPES)}")
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"model path does not exist: {p}")
+    if p.is_dir():
+        parts, name = load_hf_folder(p, dtype), p.resolve().name
+    elif p.suffix.lower() == ".gguf":
+        parts, name = load_gguf_file(p, dtype), p.stem
+    else:
+        raise ValueError(f"{p} is neither a model folder nor a .gguf file")
+    model = build_model(parts.config, parts.state_dict)
+    return LoadedModel(
+        config=parts.config,
+        model=model,
+        tokenizer=parts.tokenizer,
+        model_id=make_model_id(name, parts.config),
+        eos_token_ids=tuple(parts.eos_token_ids),
+        max_model_len=int(parts.max_model_len),
+    )

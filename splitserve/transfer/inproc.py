@@ -1,0 +1,168 @@
+"""In-process KV transfer backend for unit tests: same API, registrations and errors as ``ucx``.
+
+Senders live in a process-global registry keyed by their endpoint string; ``fetch`` looks the sender up
+and copies tensor slices directly (one copy, segment by segment). There is nothing to cancel: a copy
+either happened before ``fetch`` returned or not at all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+
+import torch
+
+from splitserve.errors import InvalidRequest, KVLayoutMismatch, KVTransferError, TransferNotFound
+from splitserve.transfer.base import KVReceiver, KVSender, OnDone, TransferRefused, TransferStats
+from splitserve.transfer.common import (
+    Status,
+    TransferTable,
+    byte_view,
+    call_on_done,
+    check_cache,
+    compute_segments,
+    format_endpoint,
+    layout_digest,
+    parse_endpoint,
+)
+from splitserve.transfer.layout import KVLayout
+
+__all__ = ["InprocKVReceiver", "InprocKVSender"]
+
+_registry_lock = threading.Lock()
+_registry: dict[str, "InprocKVSender"] = {}
+_ports = itertools.count(40000)
+
+
+class InprocKVSender(KVSender):
+    def __init__(self, kv_cache: torch.Tensor, layout: KVLayout, *, host: str = "127.0.0.1", port: int = 0) -> None:
+        self._num_blocks = check_cache(kv_cache, layout)
+        self._bytes = byte_view(kv_cache)
+        self._layout = layout
+        self._block_nbytes = layout.block_nbytes
+        self._digest = layout_digest(layout)
+        self._host = host if host not in ("", "0.0.0.0", "::") else "127.0.0.1"
+        self._port = int(port)
+        self._endpoint: str | None = None
+        self._table = TransferTable(self._num_blocks)
+        self._closed = False
+        self.stats = TransferStats()
+
+    async def start(self) -> None:
+        if self._endpoint is not None:
+            return
+        if self._closed:
+            raise RuntimeError("sender is closed")
+        with _registry_lock:
+            if self._port == 0:
+                while True:
+                    candidate = format_endpoint(self._host, next(_ports))
+                    if candidate not in _registry:
+                        break
+            else:
+                candidate = format_endpoint(self._host, self._port)
+                if candidate in _registry:
+                    raise OSError(f"inproc KV endpoint {candidate} is already in use")
+            _registry[candidate] = self
+            self._endpoint = candidate
+
+    @property
+    def endpoint(self) -> str:
+        if self._endpoint is None:
+            raise RuntimeError("endpoint is known only after start()")
+        return self._endpoint
+
+    def register(self, transfer_id: str, block_ids: list[int], on_done: OnDone) -> None:
+        if self._closed:
+            raise RuntimeError("sender is closed")
+        self._table.register(transfer_id, block_ids, on_done)
+
+    def unregister(self, transfer_id: str) -> bool:
+        return self._table.unregister(transfer_id)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with _registry_lock:
+            if self._endpoint is not None and _registry.get(self._endpoint) is self:
+                del _registry[self._endpoint]
+        for reg in self._table.drain():
+            self.stats.transfers_failed += 1
+            call_on_done(reg, False)
+
+
+class InprocKVReceiver(KVReceiver):
+    def __init__(self, kv_cache: torch.Tensor, layout: KVLayout) -> None:
+        self._num_blocks = check_cache(kv_cache, layout)
+        self._bytes = byte_view(kv_cache)
+        self._block_nbytes = layout.block_nbytes
+        self._digest = layout_digest(layout)
+        self._started = False
+        self._closed = False
+        self.stats = TransferStats()
+
+    async def start(self) -> None:
+        if self._closed:
+            raise RuntimeError("receiver is closed")
+        self._started = True
+
+    async def close(self) -> None:
+        self._closed = True
+
+    async def fetch(
+        self,
+        endpoint: str,
+        transfer_id: str,
+        src_block_ids: list[int],
+        dst_block_ids: list[int],
+        timeout_s: float,
+    ) -> int:
+        if self._closed:
+            raise KVTransferError("receiver is closed")
+        if not self._started:
+            raise RuntimeError("receiver not started")
+        segments = compute_segments(src_block_ids, dst_block_ids, self._num_blocks)
+        if not segments:
+            return 0
+        if timeout_s <= 0:
+            raise InvalidRequest("timeout_s must be positive")
+        parse_endpoint(endpoint)
+        try:
+            nbytes = self._copy(endpoint, transfer_id, segments)
+        except BaseException:
+            self.stats.transfers_failed += 1
+            raise
+        self.stats.bytes_received += nbytes
+        self.stats.transfers_ok += 1
+        await asyncio.sleep(0)
+        return nbytes
+
+    def _copy(self, endpoint: str, transfer_id: str, segments) -> int:
+        with _registry_lock:
+            sender = _registry.get(endpoint)
+        if sender is None or sender._closed:  # noqa: SLF001 - same module
+            raise KVTransferError(f"no inproc KV sender at {endpoint}")
+        if sender._block_nbytes != self._block_nbytes or sender._digest != self._digest:  # noqa: SLF001
+            raise KVLayoutMismatch(f"KV layout mismatch with sender {endpoint}: remote [{sender._layout.describe()}]")
+        status, reg, detail = sender._table.claim(transfer_id, [(s, n) for s, _d, n in segments])  # noqa: SLF001
+        if status is Status.NOT_FOUND:
+            raise TransferNotFound(detail)
+        if status is not Status.OK:
+            raise TransferRefused(f"KV sender {endpoint} refused transfer {transfer_id!r}: {detail}")
+        bn = self._block_nbytes
+        ok = False
+        try:
+            for s, d, n in segments:
+                self._bytes[d * bn : (d + n) * bn].copy_(sender._bytes[s * bn : (s + n) * bn])  # noqa: SLF001
+            ok = True
+        finally:
+            nbytes = sum(n for _s, _d, n in segments) * bn
+            if ok:
+                sender.stats.bytes_sent += nbytes
+                sender.stats.transfers_ok += 1
+            else:
+                sender.stats.transfers_failed += 1
+            call_on_done(reg, ok)
+        return nbytes

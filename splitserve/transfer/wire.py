@@ -1,0 +1,115 @@
+"""Binary control messages of the UCX KV pull protocol (little endian, no pickle: peers are not trusted).
+
+FETCH request (receiver -> sender, one UCX active message)::
+
+    magic "SKV1" | kind u16 (=1) | flags u16 | tag_base u64 | block_nbytes u64 | layout_digest u64
+    | nseg u32 | tid_len u16 | reserved u16 | transfer_id (utf-8, tid_len bytes) | nseg x (src_start u32, count u32)
+
+STATUS reply (sender -> receiver, one tag message on ``tag_base``)::
+
+    magic "SKS1" | status u32 | detail_len u32 | detail (utf-8)
+
+Data: segment ``i`` travels as one tag message on ``tag_base + 1 + i``.
+"""
+
+from __future__ import annotations
+
+import struct
+import sys
+from array import array
+from dataclasses import dataclass
+
+from splitserve.transfer.common import Status
+
+FETCH_MAGIC = b"SKV1"
+STATUS_MAGIC = b"SKS1"
+KIND_FETCH = 1
+
+_FETCH_HDR = struct.Struct("<4sHHQQQIHH")
+_STATUS_HDR = struct.Struct("<4sII")
+
+#: receive buffer for a STATUS message; details are truncated to fit
+STATUS_BUF_NBYTES = 1024
+MAX_DETAIL = STATUS_BUF_NBYTES - _STATUS_HDR.size
+#: segments per transfer are numbered in the low bits of the tag
+MAX_SEGMENTS = (1 << 24) - 2
+MAX_TID_BYTES = 1024
+
+
+class WireError(ValueError):
+    """A control message could not be decoded."""
+
+
+@dataclass(frozen=True)
+class FetchRequest:
+    tag_base: int
+    block_nbytes: int
+    layout_digest: int
+    transfer_id: str
+    runs: list[tuple[int, int]]  # (src_start, count) per segment, in tag order
+
+
+def encode_fetch(req: FetchRequest) -> bytearray:
+    tid = req.transfer_id.encode()
+    if len(tid) > MAX_TID_BYTES:
+        raise WireError("transfer id too long")
+    if len(req.runs) > MAX_SEGMENTS:
+        raise WireError("too many segments")
+    flat = array("I")
+    for start, count in req.runs:
+        flat.append(start)
+        flat.append(count)
+    if sys.byteorder != "little":  # pragma: no cover
+        flat.byteswap()
+    out = bytearray(
+        _FETCH_HDR.pack(
+            FETCH_MAGIC, KIND_FETCH, 0, req.tag_base, req.block_nbytes, req.layout_digest, len(req.runs), len(tid), 0
+        )
+    )
+    out += tid
+    out += flat.tobytes()
+    return out
+
+
+def decode_fetch(buf) -> FetchRequest:
+    mv = memoryview(buf).cast("B")
+    if len(mv) < _FETCH_HDR.size:
+        raise WireError("short fetch header")
+    magic, kind, _flags, tag_base, block_nbytes, digest, nseg, tid_len, _r = _FETCH_HDR.unpack_from(mv, 0)
+    if magic != FETCH_MAGIC or kind != KIND_FETCH:
+        raise WireError("not a fetch request")
+    if nseg > MAX_SEGMENTS or tid_len > MAX_TID_BYTES:
+        raise WireError("fetch request too large")
+    off = _FETCH_HDR.size
+    if len(mv) != off + tid_len + 8 * nseg:
+        raise WireError("fetch request length mismatch")
+    try:
+        tid = bytes(mv[off : off + tid_len]).decode()
+    except UnicodeDecodeError:
+        raise WireError("transfer id is not utf-8") from None
+    off += tid_len
+    flat = array("I")
+    flat.frombytes(bytes(mv[off:]))
+    if sys.byteorder != "little":  # pragma: no cover
+        flat.byteswap()
+    runs = [(flat[2 * i], flat[2 * i + 1]) for i in range(nseg)]
+    return FetchRequest(tag_base, block_nbytes, digest, tid, runs)
+
+
+def encode_status(status: Status, detail: str = "") -> bytearray:
+    d = detail.encode()[:MAX_DETAIL]
+    return bytearray(_STATUS_HDR.pack(STATUS_MAGIC, int(status), len(d)) + d)
+
+
+def decode_status(buf) -> tuple[Status, str]:
+    mv = memoryview(buf).cast("B")
+    magic, code, dlen = _STATUS_HDR.unpack_from(mv, 0)
+    if magic != STATUS_MAGIC:
+        raise WireError("not a status message")
+    try:
+        status = Status(code)
+    except ValueError:
+        raise WireError(f"unknown status code {code}") from None
+    dlen = min(dlen, MAX_DETAIL)
+    detail = bytes(mv[_STATUS_HDR.size : _STATUS_HDR.size + dlen]).decode(errors="replace")
+    return status, detail

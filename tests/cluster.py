@@ -1,0 +1,63 @@
+"""Test helpers: start real router/prefill/decode (and colocated) processes on loopback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+
+from splitserve.launcher import Cluster, build_cluster, free_port
+from splitserve.paths import default_model_path
+
+TEST_ENV = {"UCX_NET_DEVICES": "lo", "PD_LOG_LEVEL": "WARNING"}
+
+
+def start_cluster(num_prefill=1, num_decode=1, worker_args=None, model=None) -> tuple[Cluster, str, str]:
+    """Returns (cluster, http base url, router grpc address); caller stops the cluster."""
+    cluster, http_port, grpc_port = build_cluster(
+        model=str(model or default_model_path()), num_prefill=num_prefill, num_decode=num_decode,
+        http_port=0, grpc_port=0, worker_args=worker_args or ["--kv-cache-mb", "64"], env=TEST_ENV,
+    )
+    cluster.start()
+    try:
+        cluster.wait_healthy(timeout_s=120)
+    except Exception:
+        cluster.stop()
+        raise
+    return cluster, f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}"
+
+
+class Colocated:
+    """`splitserve colocated` in its own process."""
+
+    def __init__(self, model=None, extra=None) -> None:
+        self.http_port, self.grpc_port = free_port(), free_port()
+        argv = [sys.executable, "-m", "splitserve.cli", "colocated", "--model", str(model or default_model_path()),
+                "--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port), "--kv-cache-mb", "64", *(extra or [])]
+        self.proc = subprocess.Popen(argv, env={**os.environ, **TEST_ENV})
+        self.base_url = f"http://127.0.0.1:{self.http_port}"
+        self.grpc_address = f"127.0.0.1:{self.grpc_port}"
+        deadline = time.monotonic() + 120
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"colocated server exited with {self.proc.returncode}")
+            try:
+                if httpx.get(self.base_url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("colocated server not healthy")
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()

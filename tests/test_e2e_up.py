@@ -1,0 +1,64 @@
+"""`splitserve up` starts separate processes, serves, and stops them all on SIGINT (no orphans)."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from splitserve.launcher import free_port
+from tests.cluster import TEST_ENV
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = open(f"/proc/{pid}/stat").read().split()[2] if os.path.exists(f"/proc/{pid}/stat") else "X"
+    return stat != "Z"
+
+
+def test_up_serves_and_stops_cleanly():
+    http_port, grpc_port = free_port(), free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "splitserve.cli", "up", "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--kv-cache-mb", "32"],
+        env={**os.environ, **TEST_ENV}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        lines = []
+        deadline = time.monotonic() + 150
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if "Ctrl-C stops the cluster" in line:
+                break
+        out = "".join(lines)
+        assert f"http://127.0.0.1:{http_port}/v1" in out, out
+        kids = _children(proc.pid)
+        assert len(kids) == 3  # router, prefill, decode: separate OS processes
+        r = httpx.post(f"http://127.0.0.1:{http_port}/v1/completions",
+                       json={"model": "TinyStories-656K", "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+        gen = subprocess.run([sys.executable, "-m", "splitserve.cli", "generate", "--router", f"127.0.0.1:{grpc_port}",
+                              "--max-tokens", "8", "Once upon a time"], capture_output=True, text=True, timeout=60)
+        assert gen.returncode == 0 and gen.stdout.strip() == r.json()["choices"][0]["text"].strip()
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+        time.sleep(0.2)
+        assert not [k for k in kids if _alive(k)]
+    finally:
+        if proc.poll() is None:
+            proc.kill()

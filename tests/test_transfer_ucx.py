@@ -1,0 +1,333 @@
+"""UCX KV transfer between real processes on loopback: the sender runs in a spawned child process
+(``splitserve.transfer.testing.SenderProcess``), the receiver in the test process."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import time
+
+import pytest
+import pytest_asyncio
+import torch
+
+os.environ.setdefault("UCX_NET_DEVICES", "lo")  # UCX may otherwise route 127.0.0.1 over eth0 too
+
+from splitserve.errors import KVLayoutMismatch, KVTransferError, TransferNotFound  # noqa: E402
+from splitserve.transfer import TransferRefused, apply_ucx_env_defaults, create_receiver, create_sender  # noqa: E402
+from splitserve.transfer import ucx_env_defaults, wire  # noqa: E402
+from splitserve.transfer.common import Status  # noqa: E402
+from splitserve.transfer.layout import KVLayout  # noqa: E402
+from splitserve.transfer.testing import SenderProcess, block_bytes, expected_block  # noqa: E402
+
+apply_ucx_env_defaults()
+
+pytestmark = pytest.mark.slow
+in_module_loop = pytest.mark.asyncio(loop_scope="module")  # one event loop (and UCX context) for the module
+
+# 64 KiB per block: large enough for UCX's rendezvous protocol (zero copy), small enough to be fast.
+LAYOUT = KVLayout("test-model", num_layers=4, num_kv_heads=4, head_dim=64, block_size=16, dtype="bfloat16")
+NUM_BLOCKS = 64
+SALT = 1
+PEER_ENV = {"UCX_NET_DEVICES": os.environ["UCX_NET_DEVICES"]}
+
+
+def start_peer(salt: int = SALT) -> SenderProcess:
+    peer = SenderProcess(LAYOUT, NUM_BLOCKS, salt=salt, env=PEER_ENV)
+    peer.start()
+    return peer
+
+
+@pytest.fixture(scope="module")
+def peer():
+    p = start_peer()
+    yield p
+    p.resume()
+    p.stop()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def receiver():
+    pool = LAYOUT.allocate_cache(NUM_BLOCKS)
+    r = create_receiver("ucx", pool, LAYOUT, cancel_grace_s=0.3)
+    await r.start()
+    yield r, pool
+    t0 = time.monotonic()
+    await r.close()
+    assert time.monotonic() - t0 < 2.0
+
+
+def assert_blocks(pool, src_ids, dst_ids, salt=SALT):
+    for s, d in zip(src_ids, dst_ids):
+        assert torch.equal(block_bytes(pool, d), expected_block(LAYOUT, s, salt)), f"block {s} -> {d} differs"
+
+
+def zero_blocks(pool, ids):
+    for d in ids:
+        block_bytes(pool, d).zero_()
+
+
+def assert_zero(pool, ids):
+    for d in ids:
+        assert not torch.any(block_bytes(pool, d)), f"block {d} was written"
+
+
+async def wait_events(peer, n, timeout_s=5.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        events = peer.events()
+        if len(events) >= n or time.monotonic() > deadline:
+            return events
+        await asyncio.sleep(0.05)
+
+
+# ------------------------------------------------------------------------------------------- no processes
+
+
+def test_env_defaults():
+    env = ucx_env_defaults()
+    assert env["UCX_MM_ERROR_HANDLING"] == "y"
+    assert env["UCX_WARN_UNUSED_ENV_VARS"] == "n"
+    assert "UCX_NET_DEVICES" not in env and "UCX_TLS" not in env
+    target = {"UCX_MM_ERROR_HANDLING": "n"}
+    apply_ucx_env_defaults(target)
+    assert target["UCX_MM_ERROR_HANDLING"] == "n"  # setdefault: explicit settings win
+    assert target["UCX_WARN_UNUSED_ENV_VARS"] == "n"
+
+
+def test_wire_roundtrip():
+    req = wire.FetchRequest(0xA5 << 56 | 7 << 24, 65536, 123, "tid-é", [(5, 3), (12, 1)])
+    assert wire.decode_fetch(wire.encode_fetch(req)) == req
+    assert wire.decode_status(wire.encode_status(Status.NOT_FOUND, "gone")) == (Status.NOT_FOUND, "gone")
+    buf = wire.encode_fetch(req)
+    with pytest.raises(wire.WireError):
+        wire.decode_fetch(buf[:-1])
+    with pytest.raises(wire.WireError):
+        wire.decode_fetch(b"XXXX" + bytes(buf[4:]))
+
+
+# ------------------------------------------------------------------------------------------- real UCX
+
+
+@in_module_loop
+async def test_fragmented_and_contiguous(peer, receiver):
+    r, pool = receiver
+    src, dst = [5, 6, 7, 12, 30, 31, 2], [0, 1, 2, 3, 10, 11, 40]  # 4 segments
+    peer.register("frag", src)
+    n = await r.fetch(peer.endpoint, "frag", src, dst, 10.0)
+    assert n == len(src) * LAYOUT.block_nbytes
+    assert_blocks(pool, src, dst)
+    contig = list(range(40, 56))
+    peer.register("contig", contig)
+    n = await r.fetch(peer.endpoint, "contig", contig, list(range(16, 32)), 10.0)
+    assert n == 16 * LAYOUT.block_nbytes
+    assert_blocks(pool, contig, list(range(16, 32)))
+    events = await wait_events(peer, 2)
+    assert ("frag", True) in events and ("contig", True) in events
+    stats = peer.stats()
+    assert stats["bytes_sent"] >= (len(src) + 16) * LAYOUT.block_nbytes and stats["transfers_failed"] == 0
+
+
+@in_module_loop
+async def test_concurrent_fetches_share_one_endpoint(peer, receiver):
+    r, pool = receiver
+    zero_blocks(pool, range(NUM_BLOCKS))
+    jobs = []
+    for i in range(8):
+        src = [i * 4 + 3, i * 4 + 2, i * 4 + 1, i * 4]  # reversed order: 4 one-block segments
+        dst = [63 - i * 4, 62 - i * 4, 61 - i * 4, 60 - i * 4]
+        peer.register(f"c{i}", src)
+        jobs.append((f"c{i}", src, dst))
+    sizes = await asyncio.gather(*(r.fetch(peer.endpoint, tid, s, d, 10.0) for tid, s, d in jobs))
+    assert sizes == [4 * LAYOUT.block_nbytes] * 8
+    for _tid, s, d in jobs:
+        assert_blocks(pool, s, d)
+    assert list(r._peers) == [peer.endpoint]  # noqa: SLF001 - one cached endpoint per peer
+
+
+@in_module_loop
+async def test_unknown_transfer_is_not_found_fast(peer, receiver):
+    r, pool = receiver
+    zero_blocks(pool, [0, 1])
+    t0 = time.monotonic()
+    with pytest.raises(TransferNotFound):
+        await r.fetch(peer.endpoint, "never-registered", [3, 4], [0, 1], 10.0)
+    assert time.monotonic() - t0 < 1.0
+    assert_zero(pool, [0, 1])
+
+
+@in_module_loop
+async def test_on_done_then_second_fetch_not_found(peer, receiver):
+    r, _pool = receiver
+    peer.register("once", [9, 10])
+    await r.fetch(peer.endpoint, "once", [9, 10], [0, 1], 10.0)
+    events = await wait_events(peer, 1)
+    assert [e for e in events if e[0] == "once"] == [("once", True)]
+    with pytest.raises(TransferNotFound):
+        await r.fetch(peer.endpoint, "once", [9, 10], [0, 1], 10.0)
+    await asyncio.sleep(0.1)
+    assert [e for e in peer.events() if e[0] == "once"] == [("once", True)]  # exactly once
+
+
+@in_module_loop
+async def test_unregistered_block_is_refused(peer, receiver):
+    r, pool = receiver
+    zero_blocks(pool, [20, 21, 22])
+    peer.register("partial", [1, 2, 3])
+    with pytest.raises(TransferRefused):
+        await r.fetch(peer.endpoint, "partial", [1, 2, 4], [20, 21, 22], 10.0)
+    with pytest.raises(TransferRefused):
+        await r.fetch(peer.endpoint, "partial", [0], [20], 10.0)
+    assert_zero(pool, [20, 21, 22])  # refused: nothing written, not even partially
+    assert not [e for e in peer.events() if e[0] == "partial"]
+    await r.fetch(peer.endpoint, "partial", [1, 2, 3], [20, 21, 22], 10.0)  # registration intact
+    assert_blocks(pool, [1, 2, 3], [20, 21, 22])
+
+
+@in_module_loop
+async def test_unregister_then_fetch(peer, receiver):
+    r, _pool = receiver
+    peer.register("dropped", [5])
+    assert peer.unregister("dropped") is True
+    with pytest.raises(TransferNotFound):
+        await r.fetch(peer.endpoint, "dropped", [5], [0], 10.0)
+
+
+@in_module_loop
+async def test_layout_mismatch(peer, receiver):
+    other = KVLayout("other-model", 4, 4, 64, 16, "bfloat16")
+    r2 = create_receiver("ucx", other.allocate_cache(4), other)
+    await r2.start()
+    try:
+        peer.register("mismatch", [1])
+        with pytest.raises(KVLayoutMismatch):
+            await r2.fetch(peer.endpoint, "mismatch", [1], [0], 10.0)
+        assert peer.unregister("mismatch") is True  # still registered
+    finally:
+        await r2.close()
+
+
+@in_module_loop
+async def test_dead_port_fails_within_timeout(receiver):
+    r, _pool = receiver
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t0 = time.monotonic()
+    with pytest.raises(KVTransferError):
+        await r.fetch(f"127.0.0.1:{port}", "t", [0], [0], 1.5)
+    assert time.monotonic() - t0 < 1.5 + 1.0
+
+
+@in_module_loop
+async def test_stalled_sender_times_out_without_late_writes(peer, receiver):
+    r, pool = receiver
+    dst = [50, 51, 52, 53]
+    zero_blocks(pool, dst)
+    peer.register("stall", [20, 21, 22, 23])
+    peer.pause()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(KVTransferError):
+            await r.fetch(peer.endpoint, "stall", [20, 21, 22, 23], dst, 1.0)
+        assert time.monotonic() - t0 < 1.0 + 1.0
+    finally:
+        peer.resume()
+    await asyncio.sleep(0.5)  # the sender now sees the stale request; nothing may land in our blocks
+    assert_zero(pool, dst)
+    # the transfer was claimed by the stale request or is still registered: either way it ends once
+    if peer.unregister("stall") is False:
+        events = await wait_events(peer, 1)
+        assert [e for e in events if e[0] == "stall"] in ([("stall", False)], [("stall", True)])
+    # the receiver reconnects
+    peer.register("after-stall", [24])
+    await r.fetch(peer.endpoint, "after-stall", [24], [50], 10.0)
+    assert_blocks(pool, [24], [50])
+
+
+@in_module_loop
+async def test_cancel_leaves_no_posted_receive(peer, receiver):
+    r, pool = receiver
+    dst = [40, 41, 42]
+    zero_blocks(pool, dst)
+    peer.register("cancel-me", [30, 31, 32])
+    peer.pause()
+    try:
+        task = asyncio.ensure_future(r.fetch(peer.endpoint, "cancel-me", [30, 31, 32], dst, 10.0))
+        await asyncio.sleep(0.3)
+        assert not task.done()
+        t0 = time.monotonic()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert time.monotonic() - t0 < 0.3 + 1.5  # cancel_grace_s, then the endpoint is aborted
+    finally:
+        peer.resume()
+    await asyncio.sleep(0.5)
+    assert_zero(pool, dst)
+    peer.register("after-cancel", [33])
+    await r.fetch(peer.endpoint, "after-cancel", [33], [40], 10.0)
+    assert_blocks(pool, [33], [40])
+
+
+@in_module_loop
+async def test_peer_killed_mid_fetch(receiver):
+    r, pool = receiver
+    victim = start_peer(salt=5)
+    try:
+        victim.register("warm", [1])
+        await r.fetch(victim.endpoint, "warm", [1], [0], 10.0)
+        assert_blocks(pool, [1], [0], salt=5)
+        victim.register("doomed", [2, 3])
+        victim.pause()
+        task = asyncio.ensure_future(r.fetch(victim.endpoint, "doomed", [2, 3], [1, 2], 20.0))
+        await asyncio.sleep(0.3)
+        t0 = time.monotonic()
+        victim.kill()
+        with pytest.raises(KVTransferError):
+            await task
+        assert time.monotonic() - t0 < 10.0
+        with pytest.raises(KVTransferError):  # gone for good: reconnect fails within the timeout
+            await r.fetch(victim.endpoint, "doomed", [2], [1], 1.0)
+    finally:
+        victim.kill()
+
+
+@in_module_loop
+async def test_sender_process_closes_quickly(receiver):
+    r, _pool = receiver
+    p = start_peer()
+    p.register("t", [0])
+    p.register("pending", [1])
+    await r.fetch(p.endpoint, "t", [0], [0], 10.0)
+    t0 = time.monotonic()
+    events = p._call("close")  # noqa: SLF001
+    p.proc.join(5)
+    assert time.monotonic() - t0 < 3.0
+    assert p.proc.exitcode == 0
+    assert sorted(map(tuple, events)) == [("pending", False), ("t", True)]
+
+
+@in_module_loop
+async def test_sender_in_same_process():
+    """Sender and receiver on one UCX worker (shared tags); closing fails pending registrations."""
+    src = LAYOUT.allocate_cache(8)
+    src.view(-1).view(torch.uint8).fill_(7)
+    sender = create_sender("ucx", src, LAYOUT, host="127.0.0.1")
+    pool = LAYOUT.allocate_cache(8)
+    r = create_receiver("ucx", pool, LAYOUT)
+    await sender.start()
+    await r.start()
+    done = []
+    try:
+        sender.register("local", [3, 4], lambda t, ok: done.append((t, ok)))
+        sender.register("left", [5], lambda t, ok: done.append((t, ok)))
+        assert await r.fetch(sender.endpoint, "local", [3, 4], [0, 1], 10.0) == 2 * LAYOUT.block_nbytes
+        assert bool((pool[0:2].view(-1).view(torch.uint8) == 7).all())
+    finally:
+        await r.close()
+        t0 = time.monotonic()
+        await sender.close()
+        assert time.monotonic() - t0 < 2.0
+    assert sorted(done) == [("left", False), ("local", True)]
