@@ -17,5 +17,5 @@ class ServedModel:
 
 def load_served_model(path: str, served_name: str | None = None) -> ServedModel:
     """Load what the router needs from a HF folder or GGUF file. Raises FileNotFoundError / ValueError."""
-    lm = load_model(path)
+    lm = load_model(path, weights=False)
     return ServedModel(served_name or Path(path).name.removesuffix(".gguf"), lm.tokenizer, lm.max_model_len)

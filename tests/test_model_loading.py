@@ -205,3 +205,14 @@ def test_rope_scaling_inv_freq():
     assert l3[0] == base[0] and torch.isclose(l3[-1], base[-1] / 8)
     with pytest.raises(NotImplementedError, match="dynamic"):
         rope_inv_freq(16, 10000.0, {"rope_type": "dynamic", "factor": 2.0})
+
+
+@pytest.mark.parametrize("name", ["TinyStories-656K", "stories260K.gguf"])
+def test_weights_false_loads_config_and_tokenizer_only(name):
+    from splitserve.model import load_model
+    from splitserve.paths import MODELS_DIR
+
+    light, full = load_model(MODELS_DIR / name, weights=False), load_model(MODELS_DIR / name)
+    assert light.model is None
+    assert (light.model_id, light.max_model_len, light.eos_token_ids) == (full.model_id, full.max_model_len, full.eos_token_ids)
+    assert light.tokenizer.encode("Once upon a time") == full.tokenizer.encode("Once upon a time")

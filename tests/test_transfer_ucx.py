@@ -73,13 +73,14 @@ def assert_zero(pool, ids):
         assert not torch.any(block_bytes(pool, d)), f"block {d} was written"
 
 
-async def wait_events(peer, n, timeout_s=5.0):
+async def wait_events(peer, *transfer_ids, timeout_s=5.0):
+    """The sender's on_done events, once there is one for each of ``transfer_ids`` (or at the timeout)."""
     deadline = time.monotonic() + timeout_s
     while True:
         events = peer.events()
-        if len(events) >= n or time.monotonic() > deadline:
+        if {t for t, _ok in events} >= set(transfer_ids) or time.monotonic() > deadline:
             return events
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.02)
 
 
 # ------------------------------------------------------------------------------------------- no processes
@@ -123,7 +124,7 @@ async def test_fragmented_and_contiguous(peer, receiver):
     n = await r.fetch(peer.endpoint, "contig", contig, list(range(16, 32)), 10.0)
     assert n == 16 * LAYOUT.block_nbytes
     assert_blocks(pool, contig, list(range(16, 32)))
-    events = await wait_events(peer, 2)
+    events = await wait_events(peer, "frag", "contig")
     assert ("frag", True) in events and ("contig", True) in events
     stats = peer.stats()
     assert stats["bytes_sent"] >= (len(src) + 16) * LAYOUT.block_nbytes and stats["transfers_failed"] == 0
@@ -162,7 +163,7 @@ async def test_on_done_then_second_fetch_not_found(peer, receiver):
     r, _pool = receiver
     peer.register("once", [9, 10])
     await r.fetch(peer.endpoint, "once", [9, 10], [0, 1], 10.0)
-    events = await wait_events(peer, 1)
+    events = await wait_events(peer, "once")
     assert [e for e in events if e[0] == "once"] == [("once", True)]
     with pytest.raises(TransferNotFound):
         await r.fetch(peer.endpoint, "once", [9, 10], [0, 1], 10.0)
@@ -238,7 +239,7 @@ async def test_stalled_sender_times_out_without_late_writes(peer, receiver):
     assert_zero(pool, dst)
     # the transfer was claimed by the stale request or is still registered: either way it ends once
     if peer.unregister("stall") is False:
-        events = await wait_events(peer, 1)
+        events = await wait_events(peer, "stall")
         assert [e for e in events if e[0] == "stall"] in ([("stall", False)], [("stall", True)])
     # the receiver reconnects
     peer.register("after-stall", [24])

@@ -19,6 +19,7 @@ class LoadedModel:
     Attributes:
         config: the model's ModelConfig.
         model: CausalLM in eval mode; ``model(input_ids, positions, kv_cache, attn)`` -> float32 logits.
+            None when loaded with ``weights=False`` (config and tokenizer only, e.g. for the router).
         tokenizer: Tokenizer wrapper.
         model_id: ``"<name>-<12 hex of sha256(config.canonical_json())>"``; never a path.
         eos_token_ids: ids that end generation.
@@ -26,19 +27,20 @@ class LoadedModel:
     """
 
     config: ModelConfig
-    model: CausalLM
+    model: CausalLM | None
     tokenizer: Tokenizer
     model_id: str
     eos_token_ids: tuple[int, ...]
     max_model_len: int
 
 
-def load_model(path: str | Path, dtype: str = "float32") -> LoadedModel:
+def load_model(path: str | Path, dtype: str = "float32", *, weights: bool = True) -> LoadedModel:
     """Load a Hugging Face model folder or a ``.gguf`` file onto the CPU.
 
     Args:
         path: HF folder (config.json + *.safetensors + tokenizer.json) or a GGUF file.
         dtype: "float32" (default), "float16" or "bfloat16" for weights and the KV cache.
+        weights: False reads only config, tokenizer and generation settings (no tensors).
     Raises:
         FileNotFoundError: the path or a required file does not exist.
         ValueError: bad dtype, not a model folder/GGUF file, or malformed contents.
@@ -50,12 +52,12 @@ def load_model(path: str | Path, dtype: str = "float32") -> LoadedModel:
     if not p.exists():
         raise FileNotFoundError(f"model path does not exist: {p}")
     if p.is_dir():
-        parts, name = load_hf_folder(p, dtype), p.resolve().name
+        parts, name = load_hf_folder(p, dtype, weights=weights), p.resolve().name
     elif p.suffix.lower() == ".gguf":
-        parts, name = load_gguf_file(p, dtype), p.stem
+        parts, name = load_gguf_file(p, dtype, weights=weights), p.stem
     else:
         raise ValueError(f"{p} is neither a model folder nor a .gguf file")
-    model = build_model(parts.config, parts.state_dict)
+    model = build_model(parts.config, parts.state_dict) if weights else None
     return LoadedModel(
         config=parts.config,
         model=model,

@@ -109,7 +109,7 @@ def _token_id(meta: dict[str, Any], key: str, n_vocab: int) -> int | None:
     return int(v) if isinstance(v, int) and 0 <= v < n_vocab else None
 
 
-def load_gguf_file(path: Path, dtype: str = "float32") -> ModelParts:
+def load_gguf_file(path: Path, dtype: str = "float32", *, weights: bool = True) -> ModelParts:
     """Read a GGUF model file.
 
     Raises:
@@ -132,7 +132,7 @@ def load_gguf_file(path: Path, dtype: str = "float32") -> ModelParts:
         raise ValueError(f"{path} has no token_embd.weight tensor")
     config = _config(meta, arch, raw, dtype)
     sd: dict[str, torch.Tensor] = {}
-    for name, t in raw.items():
+    for name, t in raw.items() if weights else ():
         hf = _hf_name(name)
         if hf is None:
             raise ValueError(f"unexpected tensor {name!r} in {path}")

@@ -104,7 +104,7 @@ def load_tokenizer(folder: Path, model_cfg: dict[str, Any], extra_eos: list[int]
     )
 
 
-def load_hf_folder(folder: Path, dtype: str = "float32") -> ModelParts:
+def load_hf_folder(folder: Path, dtype: str = "float32", *, weights: bool = True) -> ModelParts:
     """Read a HF model folder.
 
     Raises:
@@ -123,4 +123,4 @@ def load_hf_folder(folder: Path, dtype: str = "float32") -> ModelParts:
     eos_ids = eos_ids or list(tok.eos_token_ids)
     window = sliding_window_of(raw)
     max_len = config.max_position_embeddings if window is None else min(window, config.max_position_embeddings)
-    return ModelParts(config, load_state_dict(folder), tok, tuple(dict.fromkeys(eos_ids)), max_len)
+    return ModelParts(config, load_state_dict(folder) if weights else {}, tok, tuple(dict.fromkeys(eos_ids)), max_len)

@@ -181,9 +181,12 @@ class UcxKVSender(KVSender):
         if self._closing:
             return
         self._closing = True
-        if self._listener is not None:
-            self._listener.close()
-            self._listener = None
+        listener = self._listener
+        if listener is not None:
+            listener.close()  # stop accepting; the object is kept until its handlers have returned
+        # Transfers already being sent usually complete within milliseconds: let them report success.
+        if self._serve_tasks:
+            await asyncio.wait(list(self._serve_tasks), timeout=1.0)
         # Aborting the endpoints cancels posted sends and AM receives; the tasks then finish by themselves.
         for ep in list(self._peers):
             _abort_endpoint(ep)
@@ -193,6 +196,10 @@ class UcxKVSender(KVSender):
             t.cancel()
         if tasks:
             await asyncio.wait(tasks, timeout=2.0)
+        for _ in range(3):  # ucxx retires finished listener handlers one loop iteration later
+            await asyncio.sleep(0)
+        self._listener = None
+        del listener
         for reg in self._table.drain():
             self.stats.transfers_failed += 1
             call_on_done(reg, False)
