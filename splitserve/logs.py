@@ -12,3 +12,5 @@ def setup_logging(service: str) -> None:
         level=level,
         format=f"%(asctime)s {service:8s} %(levelname)-7s %(name)s: %(message)s",
     )
+    for noisy in ("httpx", "httpcore"):  # one line per health poll otherwise
+        logging.getLogger(noisy).setLevel(logging.WARNING)
