@@ -19,14 +19,22 @@ from splitserve.transfer import TransferRefused, apply_ucx_env_defaults, create_
 from splitserve.transfer import ucx_env_defaults, wire  # noqa: E402
 from splitserve.transfer.common import Status  # noqa: E402
 from splitserve.transfer.layout import KVLayout  # noqa: E402
-from splitserve.transfer.testing import SenderProcess, block_bytes, expected_block  # noqa: E402
+from splitserve.transfer.testing import (  # noqa: E402
+    SenderProcess,
+    block_bytes,
+    expected_block,
+    fill_pattern,
+)
 
 apply_ucx_env_defaults()
 
-pytestmark = pytest.mark.slow
-in_module_loop = pytest.mark.asyncio(loop_scope="module")  # one event loop (and UCX context) for the module
 
-# 64 KiB per block: large enough for UCX's rendezvous protocol (zero copy), small enough to be fast.
+def real_ucx(test):
+    """Real UCX (marked slow): all such tests share one event loop, hence one UCX context and receiver."""
+    return pytest.mark.slow(pytest.mark.asyncio(loop_scope="module")(test))
+
+
+# 64 KiB per block: above UCX's 8 KiB rendezvous threshold, like real KV blocks; small enough to be fast.
 LAYOUT = KVLayout("test-model", num_layers=4, num_kv_heads=4, head_dim=64, block_size=16, dtype="bfloat16")
 NUM_BLOCKS = 64
 SALT = 1
@@ -111,7 +119,7 @@ def test_wire_roundtrip():
 # ------------------------------------------------------------------------------------------- real UCX
 
 
-@in_module_loop
+@real_ucx
 async def test_fragmented_and_contiguous(peer, receiver):
     r, pool = receiver
     src, dst = [5, 6, 7, 12, 30, 31, 2], [0, 1, 2, 3, 10, 11, 40]  # 4 segments
@@ -130,7 +138,7 @@ async def test_fragmented_and_contiguous(peer, receiver):
     assert stats["bytes_sent"] >= (len(src) + 16) * LAYOUT.block_nbytes and stats["transfers_failed"] == 0
 
 
-@in_module_loop
+@real_ucx
 async def test_concurrent_fetches_share_one_endpoint(peer, receiver):
     r, pool = receiver
     zero_blocks(pool, range(NUM_BLOCKS))
@@ -147,7 +155,7 @@ async def test_concurrent_fetches_share_one_endpoint(peer, receiver):
     assert list(r._peers) == [peer.endpoint]  # noqa: SLF001 - one cached endpoint per peer
 
 
-@in_module_loop
+@real_ucx
 async def test_unknown_transfer_is_not_found_fast(peer, receiver):
     r, pool = receiver
     zero_blocks(pool, [0, 1])
@@ -158,7 +166,7 @@ async def test_unknown_transfer_is_not_found_fast(peer, receiver):
     assert_zero(pool, [0, 1])
 
 
-@in_module_loop
+@real_ucx
 async def test_on_done_then_second_fetch_not_found(peer, receiver):
     r, _pool = receiver
     peer.register("once", [9, 10])
@@ -171,7 +179,7 @@ async def test_on_done_then_second_fetch_not_found(peer, receiver):
     assert [e for e in peer.events() if e[0] == "once"] == [("once", True)]  # exactly once
 
 
-@in_module_loop
+@real_ucx
 async def test_unregistered_block_is_refused(peer, receiver):
     r, pool = receiver
     zero_blocks(pool, [20, 21, 22])
@@ -186,7 +194,7 @@ async def test_unregistered_block_is_refused(peer, receiver):
     assert_blocks(pool, [1, 2, 3], [20, 21, 22])
 
 
-@in_module_loop
+@real_ucx
 async def test_unregister_then_fetch(peer, receiver):
     r, _pool = receiver
     peer.register("dropped", [5])
@@ -195,7 +203,7 @@ async def test_unregister_then_fetch(peer, receiver):
         await r.fetch(peer.endpoint, "dropped", [5], [0], 10.0)
 
 
-@in_module_loop
+@real_ucx
 async def test_layout_mismatch(peer, receiver):
     other = KVLayout("other-model", 4, 4, 64, 16, "bfloat16")
     r2 = create_receiver("ucx", other.allocate_cache(4), other)
@@ -209,7 +217,7 @@ async def test_layout_mismatch(peer, receiver):
         await r2.close()
 
 
-@in_module_loop
+@real_ucx
 async def test_dead_port_fails_within_timeout(receiver):
     r, _pool = receiver
     with socket.socket() as s:
@@ -221,7 +229,7 @@ async def test_dead_port_fails_within_timeout(receiver):
     assert time.monotonic() - t0 < 1.5 + 1.0
 
 
-@in_module_loop
+@real_ucx
 async def test_stalled_sender_times_out_without_late_writes(peer, receiver):
     r, pool = receiver
     dst = [50, 51, 52, 53]
@@ -247,7 +255,7 @@ async def test_stalled_sender_times_out_without_late_writes(peer, receiver):
     assert_blocks(pool, [24], [50])
 
 
-@in_module_loop
+@real_ucx
 async def test_cancel_leaves_no_posted_receive(peer, receiver):
     r, pool = receiver
     dst = [40, 41, 42]
@@ -272,7 +280,7 @@ async def test_cancel_leaves_no_posted_receive(peer, receiver):
     assert_blocks(pool, [33], [40])
 
 
-@in_module_loop
+@real_ucx
 async def test_peer_killed_mid_fetch(receiver):
     r, pool = receiver
     victim = start_peer(salt=5)
@@ -295,7 +303,7 @@ async def test_peer_killed_mid_fetch(receiver):
         victim.kill()
 
 
-@in_module_loop
+@real_ucx
 async def test_sender_process_closes_quickly(receiver):
     r, _pool = receiver
     p = start_peer()
@@ -310,7 +318,7 @@ async def test_sender_process_closes_quickly(receiver):
     assert sorted(map(tuple, events)) == [("pending", False), ("t", True)]
 
 
-@in_module_loop
+@real_ucx
 async def test_sender_in_same_process():
     """Sender and receiver on one UCX worker (shared tags); closing fails pending registrations."""
     src = LAYOUT.allocate_cache(8)
@@ -332,3 +340,26 @@ async def test_sender_in_same_process():
         await sender.close()
         assert time.monotonic() - t0 < 2.0
     assert sorted(done) == [("left", False), ("local", True)]
+
+
+@real_ucx
+async def test_many_small_segments_in_process():
+    """2 KiB blocks (UCX eager path) and 512 one-block segments (more requests than ucxx's future pool)."""
+    tiny = KVLayout("tiny", num_layers=2, num_kv_heads=2, head_dim=16, block_size=4, dtype="float32")
+    src = tiny.allocate_cache(1024)
+    fill_pattern(src, salt=2)
+    dst = tiny.allocate_cache(1024)
+    sender = create_sender("ucx", src, tiny)
+    r = create_receiver("ucx", dst, tiny)
+    await sender.start()
+    await r.start()
+    try:
+        src_ids = list(range(0, 1024, 2))
+        dst_ids = list(range(1023, 0, -2))
+        sender.register("many", src_ids, lambda t, ok: None)
+        assert await r.fetch(sender.endpoint, "many", src_ids, dst_ids, 20.0) == 512 * tiny.block_nbytes
+        for s, d in zip(src_ids, dst_ids):
+            assert torch.equal(block_bytes(dst, d), expected_block(tiny, s, 2))
+    finally:
+        await r.close()
+        await sender.close()

@@ -43,11 +43,14 @@ class KVLeases:
             self._drop(transfer_id)
 
     def release(self, transfer_id: str) -> bool:
-        """Free without sending (the decode leg will not come). False if nothing is held."""
+        """Free without sending (the decode leg will not come). False if nothing is held.
+
+        Blocks that a pull is reading right now are freed when that pull ends, never earlier."""
         if transfer_id not in self._held:
             return False
-        self._sender.unregister(transfer_id)
-        self._drop(transfer_id)
+        if self._sender.unregister(transfer_id):
+            self._drop(transfer_id)
+        # else a pull is in flight: its on_done frees the blocks once UCX no longer reads them
         return True
 
     def _drop(self, transfer_id: str) -> None:

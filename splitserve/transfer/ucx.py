@@ -17,11 +17,16 @@ Protocol (one pull = one ``fetch``)
    ``on_done(id, True)``; on failure it first aborts the endpoint (which cancels the posted sends, so UCX
    no longer reads the blocks) and then calls ``on_done(id, False)``.
 
-Copies: **zero staging copies** in splitserve on either side -- UCX reads from the sender's KV pool and
-writes into the receiver's KV pool through numpy views of the two preallocated tensors. The transport
-itself copies once for large messages on one host (rendezvous over shared memory/CMA:
-``process_vm_readv`` from pool to pool), twice for small eager messages (through a shared-memory
-segment), and through the kernel socket buffers when it falls back to TCP.
+Copies: **zero staging copies** in splitserve on either side -- UCX reads straight from the sender's KV
+pool and writes straight into the receiver's KV pool, through numpy views of the two preallocated
+tensors (no bytes objects, no pickling, no intermediate buffer; the only Python-level allocations are the
+request header and a 1 KiB status buffer). What the transport itself does is UCX's choice: on one host,
+with ``UCX_MM_ERROR_HANDLING=y``, ``UCX_PROTO_INFO=y`` shows "rendezvous fragmented copy-in copy-out" over
+sysv shared memory for messages >= 8 KiB -- the sender's progress thread copies fragments of the pool
+slice into a shared segment while the receiver's copies them out into its pool (2 memcpy by UCX,
+pipelined; CMA's single copy is not selected because it lacks error handling), and "eager copy-in
+copy-out" below 8 KiB. Between hosts it is TCP (kernel socket buffers) or, with an RDMA-capable UCX
+build, zero-copy RDMA straight between the two pools.
 
 Failure handling
 ----------------
@@ -65,13 +70,13 @@ from splitserve.transfer.common import (
     Registration,
     Status,
     TransferTable,
+    advertise_host,
     byte_view,
     call_on_done,
     check_cache,
     compute_segments,
     format_endpoint,
     layout_digest,
-    advertise_host,
     parse_endpoint,
 )
 from splitserve.transfer.layout import KVLayout
@@ -97,11 +102,94 @@ def _ucxx():
     return ucxx
 
 
-def _consume(tasks) -> None:
-    """Retrieve results of finished tasks so asyncio does not log 'exception was never retrieved'."""
-    for t in tasks:
-        if t.done() and not t.cancelled():
-            t.exception()
+def _consume(futures) -> None:
+    """Retrieve results of finished futures so asyncio does not log 'exception was never retrieved'."""
+    for f in futures:
+        if f.done() and not f.cancelled():
+            f.exception()
+
+
+# Messages are posted directly on the ucxx endpoint's UCXEndpoint (``Endpoint._ep``, ucxx 0.52) instead of
+# through the ``Endpoint.send``/``recv`` coroutines: a fetch posts all its receives and the request
+# synchronously (no window in which some are posted and others not), and no asyncio task is created per
+# message (each costs a loop hop, ~0.1 ms on a small machine). Completion is awaited on the request's
+# asyncio future, which ucxx's notifier thread resolves; ``check_error`` then raises the UCX error.
+
+
+class _Posted:
+    """UCX requests posted on one endpoint, with the buffers they use kept alive until completion."""
+
+    __slots__ = ("_uep", "_worker", "requests", "futures", "_buffers")
+
+    # ucxx hands each request a future from a pool of 100 that its notifier thread refills (to 100 when
+    # below 50); posting more than 100 at once empties it and ucxx warns on every further request.
+    _REFILL_EVERY = 20
+
+    def __init__(self, ep) -> None:
+        from ucxx._lib.libucxx import UCXCloseError  # noqa: PLC0415
+
+        uep = getattr(ep, "_ep", None)
+        ctx = getattr(ep, "_ctx", None)
+        if uep is None or ctx is None:
+            raise UCXCloseError("Endpoint closed")
+        uep.raise_on_error()
+        self._uep = uep
+        self._worker = ctx.worker
+        self.requests: list = []
+        self.futures: list[asyncio.Future] = []
+        self._buffers: list = []
+
+    def _refill(self) -> None:
+        if len(self.requests) % self._REFILL_EVERY == self._REFILL_EVERY - 1:
+            self._worker.populate_python_futures_pool()
+
+    def _add(self, req, buf) -> asyncio.Future:
+        fut = req.future
+        if fut is None:  # pragma: no cover - only without Python futures, which ucx_runtime never uses
+            fut = asyncio.ensure_future(req.wait())
+        self.requests.append(req)
+        self.futures.append(fut)
+        self._buffers.append(buf)
+        return fut
+
+    def recv(self, buf, tag: int) -> asyncio.Future:
+        from ucxx._lib.arr import Array  # noqa: PLC0415
+        from ucxx.types import Tag, TagMaskFull  # noqa: PLC0415
+
+        arr = Array(buf)
+        self._refill()
+        return self._add(self._uep.tag_recv(arr, Tag(tag), TagMaskFull), (buf, arr))
+
+    def send(self, buf, tag: int) -> asyncio.Future:
+        from ucxx._lib.arr import Array  # noqa: PLC0415
+        from ucxx.types import Tag  # noqa: PLC0415
+
+        arr = Array(buf)
+        self._refill()
+        return self._add(self._uep.tag_send(arr, Tag(tag)), (buf, arr))
+
+    def am_send(self, buf) -> asyncio.Future:
+        from ucxx._lib.arr import Array  # noqa: PLC0415
+
+        arr = Array(buf)
+        self._refill()
+        return self._add(self._uep.am_send(arr), (buf, arr))
+
+    def first_error(self) -> BaseException | None:
+        """The first error among completed requests (UCX status checked, not just the future)."""
+        for req, fut in zip(self.requests, self.futures):
+            if not fut.done():
+                continue
+            try:
+                if not fut.cancelled() and fut.exception() is not None:
+                    return fut.exception()
+                req.check_error()
+            except Exception as exc:  # noqa: BLE001 - returned to the caller
+                return exc
+        return None
+
+    def pending(self) -> list[asyncio.Future]:
+        return [f for f in self.futures if not f.done()]
 
 
 def _abort_endpoint(ep) -> None:
@@ -253,46 +341,59 @@ class UcxKVSender(KVSender):
         else:
             # Serves only blocks registered under this id (registered ids are range-checked).
             status, reg, detail = self._table.claim(req.transfer_id, req.runs)
-        task = asyncio.get_running_loop().create_task(self._serve(ep, req, status, detail, reg))
+        # Post the STATUS and every segment now (no loop hop before the bytes start moving).
+        bn = self._block_nbytes
+        nbytes = 0
+        posted: _Posted | None = None
+        error: BaseException | None = None
+        try:
+            posted = _Posted(ep)
+            posted.send(wire.encode_status(status, detail), req.tag_base)
+            for i, (start, count) in enumerate(req.runs):
+                if status is Status.OK:
+                    posted.send(self._bytes[start * bn : (start + count) * bn], req.tag_base + 1 + i)
+                    nbytes += count * bn
+                else:  # completes the receiver's posted receive without writing into its blocks
+                    posted.send(_EMPTY, req.tag_base + 1 + i)
+        except Exception as exc:  # endpoint closed or failed while posting
+            error = exc
+        task = asyncio.get_running_loop().create_task(self._finish(ep, req.transfer_id, posted, error, reg, nbytes))
         self._serve_tasks[task] = ep
         task.add_done_callback(self._serve_tasks.pop)
-        return True
+        return error is None
 
-    async def _serve(self, ep, req: wire.FetchRequest, status: Status, detail: str, reg: Registration | None):
-        bn = self._block_nbytes
-        tag = req.tag_base
-        sends = [ep.send(wire.encode_status(status, detail), tag=tag, force_tag=True)]
-        nbytes = 0
-        for i, (start, count) in enumerate(req.runs):
-            if status is Status.OK:
-                buf = self._bytes[start * bn : (start + count) * bn]
-                nbytes += count * bn
-            else:
-                buf = _EMPTY  # completes the receiver's posted receive without writing into its blocks
-            sends.append(ep.send(buf, tag=tag + 1 + i, force_tag=True))
-        tasks = [asyncio.ensure_future(s) for s in sends]
+    async def _finish(
+        self,
+        ep,
+        transfer_id: str,
+        posted: _Posted | None,
+        error: BaseException | None,
+        reg: Registration | None,
+        nbytes: int,
+    ) -> None:
+        """Wait for the posted sends, then report the transfer exactly once."""
         ok = False
+        futures = posted.futures if posted is not None else []
         try:
-            done, pending = await asyncio.wait(tasks, timeout=self._send_timeout_s)
-            if pending:
-                logger.warning("KV send of %r timed out after %.1fs", req.transfer_id, self._send_timeout_s)
-            elif all(t.exception() is None for t in done):
-                ok = True
-            else:
-                err = next(t.exception() for t in done if t.exception() is not None)
-                logger.info("KV send of %r failed: %s", req.transfer_id, err)
+            if error is None and futures:
+                done, pending = await asyncio.wait(futures, timeout=self._send_timeout_s)
+                if pending:
+                    logger.warning("KV send of %r timed out after %.1fs", transfer_id, self._send_timeout_s)
+                else:
+                    error = posted.first_error()
+                    ok = error is None
+            if error is not None:
+                logger.info("KV send of %r failed: %r", transfer_id, error)
         except asyncio.CancelledError:
             pass
         finally:
-            if any(not t.done() for t in tasks):
+            if not ok and (error is not None or any(not f.done() for f in futures)):
                 # Sends still posted would keep reading the blocks after on_done: cancel them by aborting.
                 self._peers.discard(ep)
                 _abort_endpoint(ep)
-                await asyncio.wait(tasks, timeout=1.0)
-            for t in tasks:
-                if not t.done():
-                    t.cancel()
-            _consume(tasks)
+                if any(not f.done() for f in futures):
+                    await asyncio.wait(futures, timeout=1.0)
+            _consume(futures)
             if reg is not None:
                 if ok:
                     self.stats.bytes_sent += nbytes
@@ -439,28 +540,28 @@ class UcxKVReceiver(KVReceiver):
         bn = self._block_nbytes
         tag = _next_tag_base()
         status_buf = np.zeros(wire.STATUS_BUF_NBYTES, dtype=np.uint8)
-        # Post every receive before the request goes out (zero copy: UCX writes into the pool directly).
-        status_task = loop.create_task(ep.recv(status_buf, tag=tag, force_tag=True))
-        data_tasks = [
-            loop.create_task(ep.recv(self._bytes[d * bn : (d + n) * bn], tag=tag + 1 + i, force_tag=True))
-            for i, (_s, d, n) in enumerate(segments)
-        ]
-        recvs = [status_task, *data_tasks]
+        request = wire.encode_fetch(
+            wire.FetchRequest(tag, bn, self._digest, transfer_id, [(s, n) for s, _d, n in segments])
+        )
         try:
-            await asyncio.sleep(0)  # the recv tasks run their first step (posting) before we continue
-            request = wire.encode_fetch(
-                wire.FetchRequest(tag, bn, self._digest, transfer_id, [(s, n) for s, _d, n in segments])
-            )
-            send_task = loop.create_task(ep.am_send(request))
-            await self._wait([send_task], deadline, "sending the request")
-            if send_task.exception() is not None:
-                raise KVTransferError(f"sending KV request to {key} failed: {send_task.exception()!r}")
-            await self._wait([status_task], deadline, "waiting for the sender's answer")
-            if status_task.exception() is not None:
-                raise KVTransferError(f"KV fetch of {transfer_id!r} from {key} failed: {status_task.exception()!r}")
-            status, detail = wire.decode_status(status_buf)
-            # On OK these are the data; otherwise empty messages that complete our posted receives.
-            await self._wait(data_tasks, deadline, "receiving KV blocks")
+            posted = _Posted(ep)
+        except Exception as exc:
+            self._drop_endpoint(key, ep, abort=True)
+            raise KVTransferError(f"KV endpoint {key} is closed: {exc!r}") from exc
+        try:
+            # Every receive is posted before the request goes out, with no await in between: UCX writes the
+            # segments straight into the pool (zero copy), and there is no half-posted state to undo.
+            posted.recv(status_buf, tag)
+            for i, (_s, d, n) in enumerate(segments):
+                posted.recv(self._bytes[d * bn : (d + n) * bn], tag + 1 + i)
+            posted.am_send(request)
+            # One wait for everything (each separate wake-up costs a loop hop): the STATUS and, on OK, the
+            # data; otherwise the empty messages that complete the posted receives.
+            await self._wait(posted.futures, deadline)
+            error = posted.first_error()
+            if error is not None:  # the connection broke (what is still pending is settled below)
+                raise KVTransferError(f"KV fetch of {transfer_id!r} from {key} failed: {error!r}")
+            status, detail = wire.decode_status(status_buf)  # all done: _wait raises at the deadline
             if status is Status.NOT_FOUND:
                 raise TransferNotFound(detail or f"transfer {transfer_id!r} not found at {key}")
             if status is Status.INVALID:
@@ -469,67 +570,65 @@ class UcxKVReceiver(KVReceiver):
                 raise KVLayoutMismatch(f"KV layout mismatch with sender {key}: remote [{detail}]")
             if status is not Status.OK:
                 raise KVTransferError(f"KV sender {key} refused transfer {transfer_id!r}: {status.name} {detail}")
-            errors = [t.exception() for t in data_tasks if t.exception() is not None]
-            if errors:
-                raise KVTransferError(f"KV fetch of {transfer_id!r} from {key} failed: {errors[0]!r}")
             return sum(n for _s, _d, n in segments) * bn
         except asyncio.CancelledError:
             remaining = deadline - loop.time()
-            await self._settle(key, ep, recvs, grace=max(0.0, min(self._cancel_grace_s, remaining)))
+            await self._settle(key, ep, posted, grace=max(0.0, min(self._cancel_grace_s, remaining)))
             raise
         except asyncio.TimeoutError:
-            await self._settle(key, ep, recvs, grace=0.0)
+            await self._settle(key, ep, posted, grace=0.0)
             raise KVTransferError(f"KV fetch of {transfer_id!r} from {key} timed out") from None
         except wire.WireError as exc:
-            await self._settle(key, ep, recvs, grace=0.0)
+            await self._settle(key, ep, posted, grace=0.0)
             raise KVTransferError(f"bad answer from KV sender {key}: {exc}") from None
-        except BaseException:
-            await self._settle(key, ep, recvs, grace=max(0.0, min(self._cancel_grace_s, deadline - loop.time())))
+        except (KVTransferError, TransferNotFound, KVLayoutMismatch):
+            await self._settle(key, ep, posted, grace=max(0.0, min(self._cancel_grace_s, deadline - loop.time())))
             raise
+        except Exception as exc:  # posting failed (endpoint closed under us) or an unexpected UCX error
+            await self._settle(key, ep, posted, grace=max(0.0, min(self._cancel_grace_s, deadline - loop.time())))
+            raise KVTransferError(f"KV fetch of {transfer_id!r} from {key} failed: {exc!r}") from exc
         finally:
-            _consume(recvs)
+            _consume(posted.futures)
 
     @staticmethod
-    async def _wait(tasks, deadline: float, what: str) -> None:
-        """Wait for all ``tasks`` until ``deadline``; raise asyncio.TimeoutError if some are still pending.
-        Returns early once any task failed (the others are then settled by the caller)."""
-        pending = [t for t in tasks if not t.done()]
+    async def _wait(futures, deadline: float) -> None:
+        """Wait for all ``futures`` until ``deadline``; raise asyncio.TimeoutError if some are still pending.
+        Returns early once any failed (the others are then settled by the caller)."""
+        pending = [f for f in futures if not f.done()]
         loop = asyncio.get_running_loop()
         while pending:
             remaining = deadline - loop.time()
             if remaining <= 0:
-                raise asyncio.TimeoutError(what)
+                raise asyncio.TimeoutError()
             done, pending_set = await asyncio.wait(pending, timeout=remaining, return_when=asyncio.FIRST_EXCEPTION)
-            if any(not t.cancelled() and t.exception() is not None for t in done):
+            if any(not f.cancelled() and f.exception() is not None for f in done):
                 # one failed: the connection is likely broken; give the rest a moment to fail too
                 if pending_set:
                     await asyncio.wait(pending_set, timeout=min(0.5, max(0.0, deadline - loop.time())))
                 return
             pending = list(pending_set)
 
-    async def _settle(self, key: str, ep, recvs, *, grace: float) -> None:
-        """Make sure none of ``recvs`` is still posted: wait up to ``grace``, then abort the endpoint
-        (cancels them; returns after UCX completed the cancellation). Defers repeated cancellation."""
+    async def _settle(self, key: str, ep, posted: _Posted, *, grace: float) -> None:
+        """Make sure none of the receives in ``posted`` is still posted: wait up to ``grace``, then abort the
+        endpoint (cancels them; returns after UCX completed the cancellation). Defers repeated cancellation."""
         cancelled = False
-        pending = [t for t in recvs if not t.done()]
+        pending = posted.pending()
         if pending and grace > 0:
             try:
                 await asyncio.wait(pending, timeout=grace)
             except asyncio.CancelledError:
                 cancelled = True
-            pending = [t for t in recvs if not t.done()]
+            pending = posted.pending()
         if pending or ep.closed:
             self._drop_endpoint(key, ep, abort=bool(pending))
         if pending:
-            logger.info("KV fetch from %s abandoned with %d receives posted: endpoint aborted", key, len(pending))
+            logger.info("KV fetch from %s abandoned with %d requests posted: endpoint aborted", key, len(pending))
             try:
                 await asyncio.wait(pending, timeout=1.0)
             except asyncio.CancelledError:
                 cancelled = True
-            left = [t for t in recvs if not t.done()]
+            left = posted.pending()
             if left:  # UCX already cancelled the requests (closeBlocking); only the futures lag behind
-                logger.warning("%d cancelled KV receives did not report completion", len(left))
-                for t in left:
-                    t.cancel()
+                logger.warning("%d cancelled KV requests did not report completion", len(left))
         if cancelled:
             raise asyncio.CancelledError()
