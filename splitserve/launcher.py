@@ -136,13 +136,7 @@ def build_cluster(
     common = ["--model", model, *(worker_args or [])]
     children, prefill_addrs, decode_addrs = [], [], []
     if store_nodes:
-        master = f"{host}:{free_port(host)}"
-        children.append(Child("kvstore-master", [*py, "kvstore-master", "--host", host, "--port", master.rpartition(":")[2],
-                                                 *(master_args or [])], f"grpc:{master}"))
-        for i in range(store_nodes):
-            port = free_port(host)
-            children.append(Child(f"kvstore-node-{i}", [*py, "kvstore-node", "--master", master, "--node-id", f"node-{i}",
-                                                        "--host", host, "--port", str(port), *(node_args or [])], f"grpc:{host}:{port}"))
+        children, master = store_children(host, store_nodes, master_args, node_args)
         common += ["--kvstore-master", master]
     for role, count, addrs in (("prefill", num_prefill, prefill_addrs), ("decode", num_decode, decode_addrs)):
         for i in range(count):
@@ -153,6 +147,21 @@ def build_cluster(
               "--prefill", ",".join(prefill_addrs), "--decode", ",".join(decode_addrs)]
     children.append(Child("router", router, f"http://{host}:{http_port}/health"))
     return Cluster(children, env or {}), http_port, grpc_port
+
+
+def store_children(host: str, num_nodes: int, master_args: list[str] | None = None,
+                   node_args: list[str] | None = None) -> tuple[list[Child], str]:
+    """A KV store master ("kvstore-master") and ``num_nodes`` storage nodes ("kvstore-node-<i>", node id
+    "node-<i>") on free ports. Returns (children, master gRPC address)."""
+    py = [sys.executable, "-m", "splitserve.cli"]
+    master = f"{host}:{free_port(host)}"
+    children = [Child("kvstore-master", [*py, "kvstore-master", "--host", host, "--port", master.rpartition(":")[2],
+                                         *(master_args or [])], f"grpc:{master}")]
+    for i in range(num_nodes):
+        port = free_port(host)
+        children.append(Child(f"kvstore-node-{i}", [*py, "kvstore-node", "--master", master, "--node-id", f"node-{i}",
+                                                    "--host", host, "--port", str(port), *(node_args or [])], f"grpc:{host}:{port}"))
+    return children, master
 
 
 def store_health(cluster: Cluster) -> str:
