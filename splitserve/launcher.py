@@ -134,9 +134,9 @@ def build_cluster(
     grpc_port = grpc_port or free_port(host)
     py = [sys.executable, "-m", "splitserve.cli"]
     common = ["--model", model, *(worker_args or [])]
-    children, prefill_addrs, decode_addrs = [], [], []
-    if store_nodes:
-        children, master = store_children(host, store_nodes, master_args, node_args)
+    children, prefill_addrs, decode_addrs, store = [], [], [], []
+    if store_nodes:  # listed after the workers (children[0] stays prefill-0); workers retry until the master is up
+        store, master = store_children(host, store_nodes, master_args, node_args)
         common += ["--kvstore-master", master]
     for role, count, addrs in (("prefill", num_prefill, prefill_addrs), ("decode", num_decode, decode_addrs)):
         for i in range(count):
@@ -145,6 +145,7 @@ def build_cluster(
             children.append(Child(f"{role}-{i}", [*py, role, *common, "--host", host, "--port", str(port)], f"grpc:{host}:{port}"))
     router = [*py, "router", "--model", model, "--host", host, "--http-port", str(http_port), "--grpc-port", str(grpc_port),
               "--prefill", ",".join(prefill_addrs), "--decode", ",".join(decode_addrs)]
+    children += store
     children.append(Child("router", router, f"http://{host}:{http_port}/health"))
     return Cluster(children, env or {}), http_port, grpc_port
 

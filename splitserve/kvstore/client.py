@@ -87,11 +87,14 @@ class KVStoreClient:
     Args:
         replicas: copies per object asked at PutStart (0: the master's default).
         rpc_timeout_s: deadline of each master call. io_timeout_s: deadline of each UCX read/write.
+        connect_timeout_s: a storage node not accepting a connection within this long counts as down.
+        suspect_s: after a failed read from a node, its replicas are tried last for this long (until the
+            master, after its heartbeat timeout, stops listing them).
         clock: monotonic seconds (injectable for lease tests).
     """
 
     def __init__(self, master: str, *, replicas: int = 0, rpc_timeout_s: float = 5.0, io_timeout_s: float = 5.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 connect_timeout_s: float = 1.0, suspect_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.master = master
         self.replicas = replicas
         self.rpc_timeout_s = rpc_timeout_s
@@ -99,7 +102,9 @@ class KVStoreClient:
         self.clock = clock
         self._channel = insecure_channel(master)
         self._stub = kvstore_pb2_grpc.KVStoreMasterServiceStub(self._channel)
-        self.data = StoreDataClient()
+        self.data = StoreDataClient(connect_timeout_s)
+        self.suspect_s = suspect_s
+        self._suspect: dict[str, float] = {}  # endpoint -> clock time until which its replicas are tried last
 
     async def start(self) -> None:
         await self.data.start()
@@ -170,6 +175,9 @@ class KVStoreClient:
         """
         results: list[PdError | None] = [None] * len(locations)
         attempt = [0] * len(locations)
+        now = self.clock()
+        suspect = {ep for ep, until in self._suspect.items() if until > now}
+        order = [sorted(loc.replicas, key=lambda r: r.endpoint in suspect) for loc in locations]  # stable
         todo = []
         for i, (loc, dst) in enumerate(zip(locations, dsts)):
             if dst.nbytes != loc.size:
@@ -181,9 +189,9 @@ class KVStoreClient:
         while todo:
             by_node: dict[str, list[int]] = {}
             for i in todo:
-                by_node.setdefault(locations[i].replicas[attempt[i]].endpoint, []).append(i)
+                by_node.setdefault(order[i][attempt[i]].endpoint, []).append(i)
             outcomes = await asyncio.gather(
-                *(self.data.read(ep, [(locations[i].replicas[attempt[i]].offset, dsts[i]) for i in idx], self.io_timeout_s)
+                *(self.data.read(ep, [(order[i][attempt[i]].offset, dsts[i]) for i in idx], self.io_timeout_s)
                   for ep, idx in by_node.items()),
                 return_exceptions=True,
             )
@@ -194,6 +202,7 @@ class KVStoreClient:
                 if isinstance(outcome, BaseException):
                     err = outcome if isinstance(outcome, PdError) else StoreIOError(repr(outcome))
                     logger.info("store read from %s failed (%s); trying other replicas", ep, err)
+                    self._suspect[ep] = self.clock() + self.suspect_s
                     for i in idx:
                         attempt[i] += 1
                         if attempt[i] < len(locations[i].replicas):

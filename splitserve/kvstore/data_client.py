@@ -30,9 +30,44 @@ logger = logging.getLogger("splitserve.kvstore.client")
 #: one range of a request: (offset in the node's segment, the local buffer of exactly that many bytes)
 Range = tuple[int, np.ndarray]
 
+#: ranges per UCX request; larger batches go as several requests, one after the other (each posted message
+#: takes a ucxx future from a pool that the notifier thread refills)
+MAX_RANGES_PER_REQUEST = 64
+
+
+def _root(buf: np.ndarray) -> np.ndarray:
+    while isinstance(buf.base, np.ndarray):
+        buf = buf.base
+    return buf
+
+
+def _addr(buf: np.ndarray) -> int:
+    return buf.__array_interface__["data"][0]
+
+
+def merge_ranges(ranges: list[Range]) -> list[Range]:
+    """Merge neighbours that are adjacent both in the segment and in local memory (views of one 1-D uint8
+    array, e.g. consecutive KV blocks of an engine's cache) into one range: one UCX message each."""
+    out: list[Range] = []
+    for offset, buf in ranges:
+        if out and buf.ndim == 1 and buf.dtype == np.uint8 and buf.flags.c_contiguous:
+            prev_off, prev = out[-1]
+            root = _root(buf)
+            if (prev_off + prev.nbytes == offset and _root(prev) is root and root.ndim == 1 and root.dtype == np.uint8
+                    and root.flags.c_contiguous and _addr(prev) + prev.nbytes == _addr(buf)):
+                start = _addr(prev) - _addr(root)
+                out[-1] = (prev_off, root[start : start + prev.nbytes + buf.nbytes])
+                continue
+        out.append((offset, buf))
+    return out
+
 
 class StoreDataClient:
-    def __init__(self) -> None:
+    """``connect_timeout_s``: a storage node that does not accept a connection within this long counts as
+    down (connecting to a dead port does not fail fast; it waits for the timeout)."""
+
+    def __init__(self, connect_timeout_s: float = 1.0) -> None:
+        self.connect_timeout_s = connect_timeout_s
         self._peers: dict[str, object] = {}
         self._connecting: dict[str, asyncio.Task] = {}
         self._req_ids = itertools.count(1)
@@ -79,10 +114,15 @@ class StoreDataClient:
     async def _transfer(self, op: wire.Op, endpoint: str, ranges: list[Range], timeout_s: float) -> int:
         if self._closed or not self._acquired:
             raise StoreIOError("store data client is not started or closed")
-        if not ranges:
-            return 0
+        merged = merge_ranges(ranges)
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        nbytes = 0
+        for i in range(0, len(merged), MAX_RANGES_PER_REQUEST):
+            nbytes += await self._request(op, endpoint, merged[i : i + MAX_RANGES_PER_REQUEST], deadline)
+        return nbytes
+
+    async def _request(self, op: wire.Op, endpoint: str, ranges: list[Range], deadline: float) -> int:
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
         ep = await self._endpoint(endpoint, deadline)
         req = wire.Request(op, next(self._req_ids), [(offset, buf.nbytes) for offset, buf in ranges])
         status_buf = np.zeros(wire.STATUS_BUF_NBYTES, dtype=np.uint8)
@@ -157,7 +197,8 @@ class StoreDataClient:
         task = self._connecting.get(key)
         if task is None:
             host, port = parse_endpoint(key)
-            task = loop.create_task(self._connect(key, host, port, max(deadline - loop.time(), 0.1)))
+            timeout = min(max(deadline - loop.time(), 0.1), self.connect_timeout_s)
+            task = loop.create_task(self._connect(key, host, port, timeout))
             self._connecting[key] = task
 
             def _done(t: asyncio.Task, key=key) -> None:
@@ -168,7 +209,7 @@ class StoreDataClient:
 
             task.add_done_callback(_done)
         try:
-            return await asyncio.wait_for(asyncio.shield(task), max(deadline - loop.time(), 0.0))
+            return await asyncio.wait_for(asyncio.shield(task), min(max(deadline - loop.time(), 0.0), self.connect_timeout_s + 0.5))
         except (asyncio.TimeoutError, TimeoutError):
             raise StoreIOError(f"timed out connecting to storage node {key}") from None
         except StoreIOError:
