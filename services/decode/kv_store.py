@@ -8,7 +8,8 @@ Lifecycle of one request whose KV handle says ``via_store``:
    (lease and checksum verified).
 3. Whatever could not be read (missing, evicted, lease expired, node down) is recomputed by the first
    decode step, together with the first token: the output is the same either way.
-4. The tail object is removed once read (it belongs to this request alone).
+4. The tail object is removed once read (it belongs to this request alone; if removal fails, LRU
+   eviction reclaims it).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class DecodeStore:
             keys.append(tail)
         hits = await self.blocks.wait_prefix(keys, self.wait_s)
         n = await self.blocks.load(hits, block_ids[: len(hits)]) if hits else 0
-        if tail and len(hits) == len(keys):
+        if tail:  # best effort; one the prefill worker is still writing is left to eviction
             self._spawn_remove(tail)
         computed = min(n * self.block_size, len(prompt))
         self.loaded_tokens += computed
