@@ -12,7 +12,8 @@
    leases of ``--lease-s`` (wall clock) so leases protect only reads in flight, as in real time.
 2. Put/get throughput through UCX for blocks of realistic size (one client process, one storage node
    process, one replica): batch put (PutStart + UCX writes + PutEnd) and batch get (lookup + UCX reads
-   + checksum), beside the raw data plane (no master) and memcpy.
+   + checksum), beside the raw data plane (no master) and memcpy. A batch of consecutive blocks that the
+   master placed consecutively travels as one UCX message.
 
     python benchmarks/kvstore_trace.py [--requests N] [--capacities 0.02,0.05,...] [--object-kb 4]
 """
@@ -25,6 +26,7 @@ import json
 import os
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -89,7 +91,8 @@ async def replay(master: str, reqs: list[list[int]], obj: int) -> dict[str, floa
     await client.start()
     payload = np.random.default_rng(0).integers(0, 256, obj, dtype=np.uint8)
     bufs: list[np.ndarray] = []
-    hits = total = put_failed = read_failed = 0
+    hits = total = put_failed = 0
+    read_failed: Counter[str] = Counter()
     t0 = time.perf_counter()
     try:
         for ids in reqs:
@@ -101,7 +104,7 @@ async def replay(master: str, reqs: list[list[int]], obj: int) -> dict[str, floa
             ok = 0
             for err in await client.read(found, bufs[: len(found)]):  # read the hits back over UCX
                 if err is not None:
-                    read_failed += 1
+                    read_failed[type(err).__name__] += 1
                     break
                 ok += 1
             hits += ok
@@ -111,15 +114,18 @@ async def replay(master: str, reqs: list[list[int]], obj: int) -> dict[str, floa
                 put_failed += len(report.failed)
     finally:
         await client.close()
-    return {"hit": hits / total, "seconds": time.perf_counter() - t0, "put_failed": put_failed, "read_failed": read_failed}
+    failed = ",".join(f"{k}:{v}" for k, v in read_failed.items()) or "0"
+    return {"hit": hits / total, "seconds": time.perf_counter() - t0, "put_failed": put_failed, "read_failed": failed}
 
 
 async def throughput(master: str, size: int, count: int, rounds: int) -> dict[str, float]:
     client = KVStoreClient(master, io_timeout_s=60)
     await client.start()
-    rng = np.random.default_rng(1)
-    srcs = [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(count)]
-    dsts = [np.empty(size, np.uint8) for _ in range(count)]
+    # Objects are consecutive slices of one pool, as KV blocks of an engine's cache (runs merge into one message).
+    src_pool = np.random.default_rng(1).integers(0, 256, size * count, dtype=np.uint8)
+    dst_pool = np.zeros(size * count, np.uint8)
+    srcs = [src_pool[i * size : (i + 1) * size] for i in range(count)]
+    dsts = [dst_pool[i * size : (i + 1) * size] for i in range(count)]
     put_s, get_s, raw_w, raw_r = [], [], [], []
     try:
         for r in range(rounds):
@@ -171,6 +177,7 @@ def main() -> None:
     ap.add_argument("--capacities", default="0.02,0.05,0.1,0.25,0.5,1.0", help="store capacity as a fraction of the trace's unique blocks")
     ap.add_argument("--object-kb", type=int, default=4)
     ap.add_argument("--lease-s", type=float, default=0.2)
+    ap.add_argument("--rounds", type=int, default=5, help="throughput rounds per size (the median is printed)")
     ap.add_argument("--skip-trace", action="store_true")
     ap.add_argument("--skip-throughput", action="store_true")
     a = ap.parse_args()
@@ -185,7 +192,7 @@ def main() -> None:
         print(f"trace {a.trace.name}: {len(reqs)} requests, {total} blocks (512 tokens each), {unique} unique")
         print(f"infinite cache: {rep:.1%} of blocks repeat an earlier block; {pre:.1%} are in a request's leading run of seen blocks")
         print(f"objects of {a.object_kb} KiB, 1 storage node, eviction 95% -> 90%, read lease {a.lease_s} s, time compressed\n")
-        print(f"{'capacity':>9} {'blocks':>8} {'segment':>9} {'block hit rate':>15} {'vs infinite':>12} {'req/s':>7} {'failed put/read':>16}")
+        print(f"{'capacity':>9} {'blocks':>8} {'segment':>9} {'block hit rate':>15} {'vs infinite':>12} {'req/s':>7}  failed puts / reads not used")
         for frac in (float(x) for x in a.capacities.split(",")):
             blocks = max(1, int(frac * unique))
             segment_mb = max(1, -(-int(blocks * obj / 0.9) // 2**20))  # the 90% low mark holds `blocks` objects
@@ -195,16 +202,17 @@ def main() -> None:
             finally:
                 cluster.stop()
             print(f"{frac:>9.0%} {blocks:>8} {segment_mb:>6} MiB {r['hit']:>15.1%} {r['hit'] / pre:>12.2f} "
-                  f"{len(reqs) / r['seconds']:>7.0f} {r['put_failed']:>8}/{r['read_failed']}", flush=True)
+                  f"{len(reqs) / r['seconds']:>7.0f}  {r['put_failed']} / {r['read_failed']}", flush=True)
 
     if not a.skip_throughput:
-        print("\nput/get throughput through UCX (1 client process, 1 storage node process, 1 replica, median of 3 rounds):")
+        print(f"\nput/get throughput through UCX (1 client process, 1 storage node process, 1 replica, median of {a.rounds} rounds;"
+              " objects are consecutive slices of one buffer, like KV blocks of a cache):")
         print(f"{'object':>22} {'count':>6} {'put GB/s':>9} {'get GB/s':>9} {'raw write':>10} {'raw read':>9} {'memcpy':>7}")
         cases = [("16 KiB (TinyStories)", 16 * 1024, 512), ("2 MiB (Llama-3-8B bf16)", 2 * 2**20, 64), ("8 MiB", 8 * 2**20, 16)]
         cluster, master = start_store(512, ["--lease-s", "5"])
         try:
             for name, size, count in cases:
-                r = asyncio.run(throughput(master, size, count, 3))
+                r = asyncio.run(throughput(master, size, count, a.rounds))
                 print(f"{name:>22} {count:>6} {r['put']:>9.2f} {r['get']:>9.2f} {r['raw_write']:>10.2f} {r['raw_read']:>9.2f} "
                       f"{memcpy_gbps(size, count):>7.2f}", flush=True)
         finally:

@@ -76,6 +76,9 @@ async def test_single_calls_fail_with_typed_errors(store):
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         ok = await stub.PutStart(kv.PutStartRequest(key="s", size=64))
         assert ok.status == kv.STORE_STATUS_OK and ok.replicas[0].size == 64
+        batch = await stub.BatchGetReplicaList(kv.BatchGetReplicaListRequest(keys=["s", "k"]))
+        assert [(r.status, r.state) for r in batch.results] == [
+            (kv.STORE_STATUS_NOT_READY, kv.OBJECT_STATE_PROCESSING), (kv.STORE_STATUS_NOT_FOUND, kv.OBJECT_STATE_UNSPECIFIED)]
         stats = (await stub.GetStats(common_pb2.GetStatsRequest())).counters
     assert stats["puts_started"] == 2 and stats["grpc_bytes_received"] > 0
 

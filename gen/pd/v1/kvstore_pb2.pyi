@@ -167,7 +167,7 @@ class GetReplicaListRequest(_message.Message):
     def __init__(self, key: _Optional[str] = ...) -> None: ...
 
 class GetReplicaListResponse(_message.Message):
-    __slots__ = ("key", "status", "replicas", "size", "checksum", "lease_ms", "detail")
+    __slots__ = ("key", "status", "replicas", "size", "checksum", "lease_ms", "detail", "state")
     KEY_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
@@ -175,6 +175,7 @@ class GetReplicaListResponse(_message.Message):
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
     key: str
     status: StoreStatus
     replicas: _containers.RepeatedCompositeFieldContainer[Replica]
@@ -182,7 +183,8 @@ class GetReplicaListResponse(_message.Message):
     checksum: int
     lease_ms: int
     detail: str
-    def __init__(self, key: _Optional[str] = ..., status: _Optional[_Union[StoreStatus, str]] = ..., replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ..., size: _Optional[int] = ..., checksum: _Optional[int] = ..., lease_ms: _Optional[int] = ..., detail: _Optional[str] = ...) -> None: ...
+    state: ObjectState
+    def __init__(self, key: _Optional[str] = ..., status: _Optional[_Union[StoreStatus, str]] = ..., replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ..., size: _Optional[int] = ..., checksum: _Optional[int] = ..., lease_ms: _Optional[int] = ..., detail: _Optional[str] = ..., state: _Optional[_Union[ObjectState, str]] = ...) -> None: ...
 
 class ExistRequest(_message.Message):
     __slots__ = ("key",)

@@ -32,7 +32,7 @@ def _put_result(key: str, ticket: PutTicket) -> kv.PutStartResponse:
 def _get_result(key: str, grant: ReadGrant) -> kv.GetReplicaListResponse:
     return kv.GetReplicaListResponse(
         key=key, status=kv.STORE_STATUS_OK, replicas=_replicas(grant.replicas), size=grant.size,
-        checksum=grant.checksum, lease_ms=int(grant.lease_s * 1000),
+        checksum=grant.checksum, lease_ms=int(grant.lease_s * 1000), state=kv.OBJECT_STATE_COMPLETE,
     )
 
 
@@ -151,7 +151,9 @@ class KVStoreMasterServicer(kvstore_pb2_grpc.KVStoreMasterServiceServicer):
                 try:
                     results.append(_get_result(key, self.master.get_replica_list(key)))
                 except PdError as exc:
-                    results.append(kv.GetReplicaListResponse(key=key, status=store_status_for(exc), detail=str(exc)))
+                    status = store_status_for(exc)
+                    state = kv.OBJECT_STATE_PROCESSING if status == kv.STORE_STATUS_NOT_READY else kv.OBJECT_STATE_UNSPECIFIED
+                    results.append(kv.GetReplicaListResponse(key=key, status=status, detail=str(exc), state=state))
                     if request.prefix:
                         break
             return kv.BatchGetReplicaListResponse(results=results)

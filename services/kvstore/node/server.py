@@ -74,4 +74,4 @@ class Membership:
         try:
             await self._stub.UnmountSegment(kv.UnmountSegmentRequest(node_id=self.node_id), timeout=self._timeout)
         except grpc.aio.AioRpcError as exc:
-            logger.warning("unmount of %s failed: %s", self.node_id, exc.code().name)
+            logger.info("unmount of %s failed (master gone?): %s", self.node_id, exc.code().name)
