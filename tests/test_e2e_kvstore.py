@@ -48,7 +48,7 @@ def pool():
 def store_cluster():
     c, base_url, router = start_cluster(
         num_prefill=2, num_decode=1, store_nodes=2,
-        master_args=["--replicas", "2", "--lease-s", "2", "--heartbeat-interval-s", "0.2", "--heartbeat-timeout-s", "5"],
+        master_args=["--replicas", "2", "--lease-s", "3", "--heartbeat-interval-s", "0.2", "--heartbeat-timeout-s", "6"],
         node_args=["--segment-mb", "16"],
     )
     yield c, base_url, router
@@ -156,10 +156,10 @@ async def test_read_outliving_its_lease_is_recomputed(store_cluster, colocated, 
     before = prefill_stats(cluster)
     nodes = [c.proc for c in cluster.children if c.name.startswith("kvstore-node")]
     for p in nodes:
-        os.kill(p.pid, signal.SIGSTOP)  # slow storage nodes: the read takes longer than the 2 s lease
+        os.kill(p.pid, signal.SIGSTOP)  # slow storage nodes: the read takes longer than the 3 s lease
     try:
         request = asyncio.create_task(both(router, colocated, prefix + pool[131:140]))
-        await asyncio.sleep(3.0)
+        await asyncio.sleep(4.0)
     finally:
         for p in nodes:
             os.kill(p.pid, signal.SIGCONT)
@@ -180,7 +180,7 @@ async def test_reads_use_the_surviving_replica_when_a_storage_node_dies(store_cl
     for i in range(2):  # both prefill workers (round robin) read with one replica gone
         got = await both(router, colocated, prefix + pool[100 + i : 104 + i])
         assert got[2].cached_tokens == 48
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 15
     while master_stats(cluster)["segments"] != 1:  # heartbeat timeout: the master drops node-0's replicas
         assert time.monotonic() < deadline
         time.sleep(0.2)

@@ -26,8 +26,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 OBJ = 16 * 1024  # one TinyStories KV block
 SEGMENT_MB = 1
-MASTER_ARGS = ["--replicas", "2", "--lease-s", "1", "--put-timeout-s", "1", "--heartbeat-interval-s", "0.2",
-               "--heartbeat-timeout-s", "3"]
+MASTER_ARGS = ["--replicas", "2", "--lease-s", "2", "--put-timeout-s", "1", "--heartbeat-interval-s", "0.2",
+               "--heartbeat-timeout-s", "4"]
 
 
 @pytest.fixture(scope="module")
@@ -121,13 +121,13 @@ async def test_read_finishing_after_its_lease_reports_lease_expired(store):
     client = await client_for(master)
     try:
         await client.put(keys, data)
-        locs = await client.lookup(keys)  # lease of 1 s starts now
+        locs = await client.lookup(keys)  # lease of 2 s starts now
         nodes = [child(cluster, f"kvstore-node-{i}").proc for i in (0, 1)]
         for p in nodes:
             os.kill(p.pid, signal.SIGSTOP)  # a slow storage node
         try:
             reading = asyncio.create_task(client.read(locs, [np.zeros(OBJ, np.uint8) for _ in keys]))
-            await asyncio.sleep(1.5)
+            await asyncio.sleep(2.5)
         finally:
             for p in nodes:
                 os.kill(p.pid, signal.SIGCONT)
@@ -182,7 +182,7 @@ async def test_zombie_write_of_a_killed_writer_is_reclaimed(store):
 async def test_reads_fail_over_to_a_surviving_replica_when_a_node_is_killed(store):
     cluster, master = store
     keys, data = [f"fo-{uuid.uuid4().hex[:8]}-{i}" for i in range(8)], blobs(8, 4)
-    client = await client_for(master, io_timeout_s=3.0)
+    client = await client_for(master, io_timeout_s=3.0, connect_timeout_s=0.5)
     try:
         await client.put(keys, data)
         locs = await client.lookup(keys)
@@ -196,7 +196,7 @@ async def test_reads_fail_over_to_a_surviving_replica_when_a_node_is_killed(stor
         assert await client.read(locs, out) == [None] * 8  # whichever replica came first, the survivor serves
         assert all(np.array_equal(a, b) for a, b in zip(out, data))
         deadline = time.monotonic() + 10
-        while stats(master)["segments"] != 1:  # heartbeat timeout 3 s
+        while stats(master)["segments"] != 1:  # heartbeat timeout 4 s
             assert time.monotonic() < deadline, "the master never dropped the dead node"
             await asyncio.sleep(0.2)
         after = await client.lookup(keys)
