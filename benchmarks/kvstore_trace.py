@@ -89,8 +89,11 @@ def start_store(segment_mb: int, master_args: list[str]) -> tuple[Cluster, str]:
 async def replay(master: str, reqs: list[list[int]], obj: int) -> dict[str, float]:
     client = KVStoreClient(master)
     await client.start()
-    payload = np.random.default_rng(0).integers(0, 256, obj, dtype=np.uint8)
-    bufs: list[np.ndarray] = []
+    longest = max(len(ids) for ids in reqs)
+    # Per-request buffers are consecutive slices of one pool, like the KV blocks of one request in an engine's
+    # cache, so a run of blocks the master placed consecutively moves as one UCX message.
+    pool = np.random.default_rng(0).integers(0, 256, longest * obj, dtype=np.uint8)
+    bufs = [pool[i * obj : (i + 1) * obj] for i in range(longest)]
     hits = total = put_failed = 0
     read_failed: Counter[str] = Counter()
     t0 = time.perf_counter()
@@ -99,8 +102,6 @@ async def replay(master: str, reqs: list[list[int]], obj: int) -> dict[str, floa
             keys = chained_keys(ids)
             total += len(keys)
             found = [r for r in await client.lookup(keys, prefix=True) if isinstance(r, ObjectLocation)]
-            while len(bufs) < len(found):
-                bufs.append(np.empty(obj, np.uint8))
             ok = 0
             for err in await client.read(found, bufs[: len(found)]):  # read the hits back over UCX
                 if err is not None:
@@ -110,7 +111,7 @@ async def replay(master: str, reqs: list[list[int]], obj: int) -> dict[str, floa
             hits += ok
             missing = keys[ok:]
             if missing:
-                report = await client.put(missing, [payload] * len(missing))
+                report = await client.put(missing, bufs[ok : len(keys)])
                 put_failed += len(report.failed)
     finally:
         await client.close()
