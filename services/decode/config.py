@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from splitserve.engine.args import add_engine_args, engine_config
 from splitserve.engine.async_engine import EngineConfig
+from splitserve.kvstore.config import StoreClientConfig, add_store_args, store_config
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,6 +20,7 @@ class DecodeConfig:
     kv_transfer_timeout_s: float = 10.0  # a KV pull that takes longer fails the request
     torch_threads: int = 1
     engine: EngineConfig = EngineConfig()
+    store: StoreClientConfig = StoreClientConfig()
 
     def __post_init__(self) -> None:
         if self.kv_transfer_timeout_s <= 0:
@@ -32,8 +34,10 @@ def parse(argv: list[str] | None = None) -> DecodeConfig:
     ap.add_argument("--host", default=env("PD_HOST", "127.0.0.1"))
     ap.add_argument("--port", type=int, default=int(env("PD_DECODE_PORT", "50071")))
     ap.add_argument("--kv-transfer-timeout-s", type=float, default=float(env("PD_KV_TRANSFER_TIMEOUT_S", "10")))
+    add_store_args(ap)
     a = ap.parse_args(argv)
     return DecodeConfig(
         model=a.model, host=a.host, port=a.port, transport=a.transport,
         kv_transfer_timeout_s=a.kv_transfer_timeout_s, torch_threads=a.torch_threads, engine=engine_config(a),
+        store=store_config(a),
     )

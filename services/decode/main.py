@@ -8,8 +8,10 @@ import logging
 from pd.v1 import decode_pb2, decode_pb2_grpc
 
 from splitserve.services.decode.config import DecodeConfig, parse
+from splitserve.services.decode.kv_store import DecodeStore
 from splitserve.services.decode.server import DecodeServicer
 from splitserve.engine.async_engine import AsyncEngine, set_torch_threads
+from splitserve.kvstore.worker import start_store
 from splitserve.logs import setup_logging
 from splitserve.model import load_model
 from splitserve.rpc.server import bind, create_server, set_serving, stop_event_on_signals
@@ -26,15 +28,18 @@ async def serve(config: DecodeConfig) -> None:
     await engine.start()
     receiver = create_receiver(config.transport, engine.kv_cache, engine.layout)
     await receiver.start()
+    store_client, store = await start_store(config.store, engine)
+    if store is not None:
+        store = DecodeStore(engine, store, config.store.wait_s)
     server, health = create_server()
-    servicer = DecodeServicer(engine, receiver, config.transport, config.kv_transfer_timeout_s)
+    servicer = DecodeServicer(engine, receiver, config.transport, config.kv_transfer_timeout_s, store)
     decode_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, server)
     port = bind(server, config.host, config.port)
     await server.start()
     await set_serving(health, [SERVICE])
     logger.info(
-        "decode worker ready: grpc %s:%d, kv transport %s, model %s, %d KV blocks of %d tokens",
-        config.host, port, config.transport, lm.model_id, engine.num_blocks, config.engine.block_size,
+        "decode worker ready: grpc %s:%d, kv transport %s, model %s, %d KV blocks of %d tokens, kv store %s",
+        config.host, port, config.transport, lm.model_id, engine.num_blocks, config.engine.block_size, config.store.master or "off",
     )
     stop = stop_event_on_signals()
     try:
@@ -43,6 +48,9 @@ async def serve(config: DecodeConfig) -> None:
         logger.info("decode worker stopping")
         await set_serving(health, [SERVICE], serving=False)
         await server.stop(grace=2)
+        if store is not None:
+            await store.close()
+            await store_client.close()
         await receiver.close()
         await engine.stop()
 

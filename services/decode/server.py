@@ -14,6 +14,7 @@ from typing import AsyncIterator
 import grpc
 from pd.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 
+from splitserve.services.decode.kv_store import DecodeStore
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.core import RequestOutput
 from splitserve.engine.sampling import SamplingParams
@@ -27,8 +28,10 @@ logger = logging.getLogger(__name__)
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
-    def __init__(self, engine: AsyncEngine, receiver: KVReceiver, transport: str, transfer_timeout_s: float) -> None:
+    def __init__(self, engine: AsyncEngine, receiver: KVReceiver, transport: str, transfer_timeout_s: float,
+                 store: DecodeStore | None = None) -> None:
         self.engine = engine
+        self.store = store
         self.receiver = receiver
         self.transport = transport
         self.transfer_timeout_s = transfer_timeout_s
@@ -67,8 +70,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             raise InvalidRequest("max_tokens <= 1: the request finished at prefill; nothing to decode")
         block_ids = await self.engine.allocate_blocks(len(handle.block_ids))
         try:
-            await self.receiver.fetch(handle.endpoint, handle.transfer_id, list(handle.block_ids), block_ids, self.transfer_timeout_s)
-            stream = self.engine.decode_prefilled(request.request_id, prompt, params, request.first_token_id, block_ids)
+            computed = None
+            if handle.via_store:  # store transfer mode: read from the KV store, recompute what is missing
+                computed = await self.store.load_prompt(handle, prompt, block_ids) if self.store is not None else 0
+            else:
+                await self.receiver.fetch(handle.endpoint, handle.transfer_id, list(handle.block_ids), block_ids, self.transfer_timeout_s)
+            stream = self.engine.decode_prefilled(request.request_id, prompt, params, request.first_token_id, block_ids, computed)
         except BaseException:
             self.engine.free_blocks(block_ids)
             raise
@@ -96,4 +103,6 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             grpc_bytes_received=self.grpc_bytes.bytes_received,
             grpc_bytes_sent=self.grpc_bytes.bytes_sent,
         )
+        if self.store is not None:
+            counters.update(self.store.stats())
         return common_pb2.GetStatsResponse(counters=counters)

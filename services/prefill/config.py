@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from splitserve.engine.args import add_engine_args, engine_config
 from splitserve.engine.async_engine import EngineConfig
+from splitserve.kvstore.config import StoreClientConfig, add_store_args, store_config
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,6 +22,7 @@ class PrefillConfig:
     kv_lease_s: float = 30.0  # KV blocks are freed if no decode worker pulls them within this time
     torch_threads: int = 1
     engine: EngineConfig = EngineConfig()
+    store: StoreClientConfig = StoreClientConfig()
 
     def __post_init__(self) -> None:
         if self.kv_lease_s <= 0:
@@ -36,8 +38,10 @@ def parse(argv: list[str] | None = None) -> PrefillConfig:
     ap.add_argument("--data-host", default=env("PD_DATA_HOST", "127.0.0.1"))
     ap.add_argument("--data-port", type=int, default=int(env("PD_DATA_PORT", "0")))
     ap.add_argument("--kv-lease-s", type=float, default=float(env("PD_KV_LEASE_S", "30")))
+    add_store_args(ap)
     a = ap.parse_args(argv)
     return PrefillConfig(
         model=a.model, host=a.host, port=a.port, data_host=a.data_host, data_port=a.data_port,
         transport=a.transport, kv_lease_s=a.kv_lease_s, torch_threads=a.torch_threads, engine=engine_config(a),
+        store=store_config(a),
     )

@@ -8,8 +8,10 @@ import logging
 from pd.v1 import prefill_pb2, prefill_pb2_grpc
 
 from splitserve.services.prefill.config import PrefillConfig, parse
+from splitserve.services.prefill.kv_store import PrefillStore
 from splitserve.services.prefill.server import PrefillServicer
 from splitserve.engine.async_engine import AsyncEngine, set_torch_threads
+from splitserve.kvstore.worker import start_store
 from splitserve.logs import setup_logging
 from splitserve.model import load_model
 from splitserve.rpc.server import bind, create_server, set_serving, stop_event_on_signals
@@ -26,15 +28,19 @@ async def serve(config: PrefillConfig) -> None:
     await engine.start()
     sender = create_sender(config.transport, engine.kv_cache, engine.layout, host=config.data_host, port=config.data_port)
     await sender.start()
+    store_client, store = await start_store(config.store, engine)
+    if store is not None:
+        store = PrefillStore(engine, store, config.store.transfer_mode)
     server, health = create_server()
-    servicer = PrefillServicer(engine, sender, config.transport, config.kv_lease_s)
+    servicer = PrefillServicer(engine, sender, config.transport, config.kv_lease_s, store)
     prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, server)
     port = bind(server, config.host, config.port)
     await server.start()
     await set_serving(health, [SERVICE])
     logger.info(
-        "prefill worker ready: grpc %s:%d, kv data %s (%s), model %s, %d KV blocks of %d tokens",
+        "prefill worker ready: grpc %s:%d, kv data %s (%s), model %s, %d KV blocks of %d tokens, kv store %s (%s transfer)",
         config.host, port, sender.endpoint, config.transport, lm.model_id, engine.num_blocks, config.engine.block_size,
+        config.store.master or "off", config.store.transfer_mode,
     )
     stop = stop_event_on_signals()
     try:
@@ -44,6 +50,9 @@ async def serve(config: PrefillConfig) -> None:
         await set_serving(health, [SERVICE], serving=False)
         await server.stop(grace=2)
         servicer.leases.release_all()
+        if store is not None:
+            await store.close()
+            await store_client.close()
         await sender.close()
         await engine.stop()
 

@@ -96,6 +96,8 @@ class AsyncEngine:
 
     async def _stream(self, seq: Sequence) -> AsyncIterator[RequestOutput]:
         if seq.request_id in self._queues:
+            if seq.block_table:  # never handed to the scheduler
+                self.core.free(seq.block_table)
             raise InvalidRequest(f"duplicate request_id {seq.request_id}")
         q: asyncio.Queue = asyncio.Queue()
         self._queues[seq.request_id] = q
@@ -126,24 +128,56 @@ class AsyncEngine:
         self._validate(prompt_token_ids)
         return self._stream(Sequence(request_id, list(prompt_token_ids), params, SeqMode.GENERATE))
 
-    async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestOutput:
+    async def prefill(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+        cached_block_ids: list[int] | None = None, num_cached_tokens: int = 0,
+    ) -> RequestOutput:
         """Run prefill; returns the first token. Unless ``finish_reason`` is set, ``block_ids`` holds the
-        prompt's KV and the caller owns those blocks (``free_blocks`` when done). Cancel-safe."""
-        self._validate(prompt_token_ids)
+        prompt's KV and the caller owns those blocks (``free_blocks`` when done). Cancel-safe.
+
+        ``cached_block_ids`` (from ``allocate_blocks``, ownership passes to the engine, freed on any
+        error) already hold the K/V of the first ``num_cached_tokens`` prompt tokens (e.g. read from the
+        KV store); only the rest is computed. ``num_cached_tokens`` must be below the prompt length (the
+        last prompt token is always computed: its logits give the first token). Raises InvalidRequest.
+        """
+        cached = list(cached_block_ids or [])
         seq = Sequence(request_id, list(prompt_token_ids), params, SeqMode.PREFILL_ONLY)
+        try:
+            self._validate(prompt_token_ids)
+            self._check_cached(len(prompt_token_ids) - 1, cached, num_cached_tokens)
+        except BaseException:
+            if cached:
+                self.core.free(cached)
+            raise
+        seq.block_table = cached
+        seq.num_computed_tokens = seq.cached_tokens = num_cached_tokens
         async for out in self._stream(seq):
             return out
         raise RuntimeError("prefill produced no output")
 
+    def _check_cached(self, max_tokens: int, block_ids: list[int], num_tokens: int) -> None:
+        bs = self.config.block_size
+        if not 0 <= num_tokens <= max_tokens or num_tokens > len(block_ids) * bs:
+            raise InvalidRequest(f"{num_tokens} cached tokens in {len(block_ids)} blocks of {bs}: out of range (at most {max_tokens})")
+        if any(not 0 <= b < self.num_blocks for b in block_ids) or len(set(block_ids)) != len(block_ids):
+            raise InvalidRequest("cached block ids out of range or repeated")
+
     def decode_prefilled(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, first_token_id: int, block_ids: list[int]
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, first_token_id: int, block_ids: list[int],
+        num_computed_tokens: int | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Continue a request whose prompt KV is already in ``block_ids`` (ownership passes to the engine)."""
+        """Continue a request whose prompt KV is already in ``block_ids`` (ownership passes to the engine).
+
+        ``num_computed_tokens`` (default: the whole prompt) prompt tokens have K/V in the blocks; the first
+        step then computes the remaining prompt tokens together with ``first_token_id`` (e.g. the part of
+        a prompt that could not be read from the KV store)."""
         self._validate(prompt_token_ids)
+        n = len(prompt_token_ids) if num_computed_tokens is None else num_computed_tokens
+        self._check_cached(len(prompt_token_ids), block_ids, n)
         seq = Sequence(request_id, list(prompt_token_ids), params, SeqMode.DECODE_PREFILLED)
         seq.output_token_ids = [first_token_id]
         seq.block_table = list(block_ids)
-        seq.num_computed_tokens = len(prompt_token_ids)
+        seq.num_computed_tokens = n
         return self._stream(seq)
 
     async def allocate_blocks(self, num_blocks: int) -> list[int]:
@@ -152,6 +186,11 @@ class AsyncEngine:
 
     def free_blocks(self, block_ids: list[int]) -> None:
         self.core.free(block_ids)
+
+    def incref_blocks(self, block_ids: list[int]) -> None:
+        """One more reference on blocks the caller owns (e.g. while they are written to the KV store);
+        each reference is dropped by one ``free_blocks``."""
+        self.core.incref(block_ids)
 
     async def stats(self) -> dict[str, float]:
         def read() -> dict[str, float]:

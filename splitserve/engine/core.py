@@ -75,6 +75,11 @@ class EngineCore:
     def free(self, block_ids: list[int]) -> None:
         self._commands.put(("free", list(block_ids)))
 
+    def incref(self, block_ids: list[int]) -> None:
+        """Take one more reference on allocated blocks (commands apply in order, so an incref queued
+        before a free always takes effect first); drop it with :meth:`free`."""
+        self._commands.put(("incref", list(block_ids)))
+
     def call(self, fn: Callable[[], object]) -> concurrent.futures.Future:
         """Run ``fn`` on the engine thread (e.g. to read counters consistently)."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
@@ -115,6 +120,8 @@ class EngineCore:
             self.scheduler.abort(arg)
         elif kind == "free":
             self.block_manager.free(arg)
+        elif kind == "incref":
+            self.block_manager.incref(arg)
         elif kind == "allocate":
             num_blocks, fut = arg
             try:
@@ -164,6 +171,9 @@ class EngineCore:
         from splitserve.errors import CapacityExhausted
 
         seq = self.scheduler.waiting.popleft()
+        if seq.block_table:  # e.g. prefix blocks loaded from the KV store
+            self.block_manager.free(seq.block_table)
+            seq.block_table = []
         msg = f"request {seq.request_id} needs more KV blocks than the pool has ({self.block_manager.num_blocks})"
         self._emit([RequestOutput(seq.request_id, [], "abort", error=CapacityExhausted(msg))])
 
