@@ -40,13 +40,20 @@ def _up(argv: list[str]) -> int:
     ap.add_argument("--transport", default=env("PD_KV_TRANSPORT", "ucx"), choices=["ucx"])
     ap.add_argument("--block-size", type=int, default=int(env("PD_BLOCK_SIZE", "16")))
     ap.add_argument("--kv-cache-mb", type=int, default=int(env("PD_KV_CACHE_MB", "256")))
+    ap.add_argument("--trace", action="store_true", help="every process exports OpenTelemetry traces over OTLP")
+    ap.add_argument("--otlp-endpoint", help="OTLP endpoint for --trace (implies it); default $OTEL_EXPORTER_OTLP_ENDPOINT "
+                    "or http://127.0.0.1:4317 (e.g. Jaeger all-in-one)")
     a = ap.parse_args(argv)
     setup_logging("up")
     log = logging.getLogger("splitserve.up")
+    trace_env = {}
+    if a.trace or a.otlp_endpoint:
+        endpoint = a.otlp_endpoint or env("OTEL_EXPORTER_OTLP_ENDPOINT") or "http://127.0.0.1:4317"
+        trace_env = {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint}
     worker_args = ["--transport", a.transport, "--block-size", str(a.block_size), "--kv-cache-mb", str(a.kv_cache_mb)]
     cluster, http_port, grpc_port = build_cluster(
         model=a.model, num_prefill=a.prefill, num_decode=a.decode, host=a.host,
-        http_port=a.http_port, grpc_port=a.grpc_port, worker_args=worker_args,
+        http_port=a.http_port, grpc_port=a.grpc_port, worker_args=worker_args, env=trace_env,
     )
     stopping = False
 
@@ -64,9 +71,13 @@ def _up(argv: list[str]) -> int:
         cluster.stop()
         return 1
     base = f"http://{a.host}:{http_port}/v1"
+    metrics = "\n               ".join(f"{c.metrics}  ({c.name})" for c in cluster.children)
+    otlp = trace_env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or env("OTEL_EXPORTER_OTLP_ENDPOINT")
+    traces = f"OTLP to {otlp}" if otlp and env("OTEL_SDK_DISABLED", "").lower() != "true" else "off (--trace to export them)"
     print(
         f"\nsplitserve is up: {a.prefill} prefill + {a.decode} decode workers, model {a.model}\n"
-        f"  OpenAI API : {base}\n  gRPC       : {a.host}:{grpc_port} (pd.v1.RouterService)\n\n"
+        f"  OpenAI API : {base}\n  gRPC       : {a.host}:{grpc_port} (pd.v1.RouterService)\n"
+        f"  Metrics    : {metrics}\n  Traces     : {traces}\n\n"
         f"try:\n  curl -sN {base}/completions -H 'Content-Type: application/json' \\\n"
         f"    -d '{{\"model\": \"{os.path.basename(a.model.rstrip('/')).removesuffix('.gguf')}\", \"prompt\": \"Once upon a time\", "
         f"\"max_tokens\": 48, \"temperature\": 0, \"stream\": true}}'\n"

@@ -43,6 +43,7 @@ class Child:
     name: str
     argv: list[str]
     health: str  # "grpc:host:port" or "http://host:port/health"
+    metrics: str = ""  # Prometheus endpoint, "http://host:port/metrics"
     proc: subprocess.Popen | None = None
     reported: bool = False
 
@@ -119,7 +120,8 @@ def build_cluster(
     *, model: str, num_prefill: int = 1, num_decode: int = 1, host: str = "127.0.0.1", http_port: int = 8000,
     grpc_port: int = 50050, worker_args: list[str] | None = None, env: dict[str, str] | None = None,
 ) -> tuple[Cluster, int, int]:
-    """Describe a cluster; ports 0 are replaced by free ones. Returns (cluster, http_port, grpc_port)."""
+    """Describe a cluster; ports 0 are replaced by free ones (workers' gRPC and /metrics ports are
+    always free ones). Returns (cluster, http_port, grpc_port)."""
     if num_prefill < 1 or num_decode < 1:
         raise ValueError("need at least one prefill and one decode worker")
     http_port = http_port or free_port(host)
@@ -129,10 +131,11 @@ def build_cluster(
     children, prefill_addrs, decode_addrs = [], [], []
     for role, count, addrs in (("prefill", num_prefill, prefill_addrs), ("decode", num_decode, decode_addrs)):
         for i in range(count):
-            port = free_port(host)
+            port, metrics_port = free_port(host), free_port(host)
             addrs.append(f"{host}:{port}")
-            children.append(Child(f"{role}-{i}", [*py, role, *common, "--host", host, "--port", str(port)], f"grpc:{host}:{port}"))
+            argv = [*py, role, *common, "--host", host, "--port", str(port), "--metrics-port", str(metrics_port)]
+            children.append(Child(f"{role}-{i}", argv, f"grpc:{host}:{port}", f"http://{host}:{metrics_port}/metrics"))
     router = [*py, "router", "--model", model, "--host", host, "--http-port", str(http_port), "--grpc-port", str(grpc_port),
               "--prefill", ",".join(prefill_addrs), "--decode", ",".join(decode_addrs)]
-    children.append(Child("router", router, f"http://{host}:{http_port}/health"))
+    children.append(Child("router", router, f"http://{host}:{http_port}/health", f"http://{host}:{http_port}/metrics"))
     return Cluster(children, env or {}), http_port, grpc_port

@@ -15,11 +15,12 @@ from splitserve.paths import default_model_path
 TEST_ENV = {"UCX_NET_DEVICES": "lo", "PD_LOG_LEVEL": "WARNING"}
 
 
-def start_cluster(num_prefill=1, num_decode=1, worker_args=None, model=None) -> tuple[Cluster, str, str]:
-    """Returns (cluster, http base url, router grpc address); caller stops the cluster."""
+def start_cluster(num_prefill=1, num_decode=1, worker_args=None, model=None, env=None) -> tuple[Cluster, str, str]:
+    """Returns (cluster, http base url, router grpc address); caller stops the cluster. ``env`` adds
+    environment variables for every process."""
     cluster, http_port, grpc_port = build_cluster(
         model=str(model or default_model_path()), num_prefill=num_prefill, num_decode=num_decode,
-        http_port=0, grpc_port=0, worker_args=worker_args or ["--kv-cache-mb", "64"], env=TEST_ENV,
+        http_port=0, grpc_port=0, worker_args=worker_args or ["--kv-cache-mb", "64"], env={**TEST_ENV, **(env or {})},
     )
     cluster.start()
     try:

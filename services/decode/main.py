@@ -13,6 +13,8 @@ from splitserve.engine.async_engine import AsyncEngine, set_torch_threads
 from splitserve.logs import setup_logging
 from splitserve.model import load_model
 from splitserve.rpc.server import bind, create_server, set_serving, stop_event_on_signals
+from splitserve.telemetry.exposition import register_engine, start_metrics_server
+from splitserve.telemetry.tracing import setup_tracing
 from splitserve.transfer import create_receiver
 
 logger = logging.getLogger("splitserve.decode")
@@ -31,10 +33,12 @@ async def serve(config: DecodeConfig) -> None:
     decode_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, server)
     port = bind(server, config.host, config.port)
     await server.start()
+    register_engine(engine)
+    metrics = start_metrics_server(config.host, config.metrics_port)
     await set_serving(health, [SERVICE])
     logger.info(
-        "decode worker ready: grpc %s:%d, kv transport %s, model %s, %d KV blocks of %d tokens",
-        config.host, port, config.transport, lm.model_id, engine.num_blocks, config.engine.block_size,
+        "decode worker ready: grpc %s:%d, kv transport %s, model %s, %d KV blocks of %d tokens, metrics %s",
+        config.host, port, config.transport, lm.model_id, engine.num_blocks, config.engine.block_size, metrics.url if metrics else "off",
     )
     stop = stop_event_on_signals()
     try:
@@ -43,12 +47,15 @@ async def serve(config: DecodeConfig) -> None:
         logger.info("decode worker stopping")
         await set_serving(health, [SERVICE], serving=False)
         await server.stop(grace=2)
+        if metrics:
+            metrics.close()
         await receiver.close()
         await engine.stop()
 
 
 def main(argv: list[str] | None = None) -> None:
     setup_logging("decode")
+    setup_tracing("splitserve-decode")
     asyncio.run(serve(parse(argv)))
 
 

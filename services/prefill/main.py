@@ -13,6 +13,8 @@ from splitserve.engine.async_engine import AsyncEngine, set_torch_threads
 from splitserve.logs import setup_logging
 from splitserve.model import load_model
 from splitserve.rpc.server import bind, create_server, set_serving, stop_event_on_signals
+from splitserve.telemetry.exposition import register_engine, start_metrics_server
+from splitserve.telemetry.tracing import setup_tracing
 from splitserve.transfer import create_sender
 
 logger = logging.getLogger("splitserve.prefill")
@@ -31,10 +33,13 @@ async def serve(config: PrefillConfig) -> None:
     prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, server)
     port = bind(server, config.host, config.port)
     await server.start()
+    register_engine(engine, gauges={"splitserve:kv_leases_held": ("KV transfers held for a decode worker to pull.", lambda: len(servicer.leases))})
+    metrics = start_metrics_server(config.host, config.metrics_port)
     await set_serving(health, [SERVICE])
     logger.info(
-        "prefill worker ready: grpc %s:%d, kv data %s (%s), model %s, %d KV blocks of %d tokens",
+        "prefill worker ready: grpc %s:%d, kv data %s (%s), model %s, %d KV blocks of %d tokens, metrics %s",
         config.host, port, sender.endpoint, config.transport, lm.model_id, engine.num_blocks, config.engine.block_size,
+        metrics.url if metrics else "off",
     )
     stop = stop_event_on_signals()
     try:
@@ -43,6 +48,8 @@ async def serve(config: PrefillConfig) -> None:
         logger.info("prefill worker stopping")
         await set_serving(health, [SERVICE], serving=False)
         await server.stop(grace=2)
+        if metrics:
+            metrics.close()
         servicer.leases.release_all()
         await sender.close()
         await engine.stop()
@@ -50,6 +57,7 @@ async def serve(config: PrefillConfig) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     setup_logging("prefill")
+    setup_tracing("splitserve-prefill")
     asyncio.run(serve(parse(argv)))
 
 

@@ -19,6 +19,7 @@ from splitserve.errors import InvalidRequest, PdError
 from splitserve.rpc.convert import FINISH_TO_PROTO, layout_to_proto, sampling_from_proto
 from splitserve.rpc.stats import GrpcByteCounter
 from splitserve.rpc.status import abort_with
+from splitserve.telemetry.workers import observe_prefill
 from splitserve.transfer.base import KVSender
 
 logger = logging.getLogger(__name__)
@@ -41,7 +42,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             params = sampling_from_proto(request.sampling)
             if not request.prompt_token_ids:
                 raise InvalidRequest("prompt_token_ids is empty")
-            out = await self.engine.prefill(request_id, list(request.prompt_token_ids), params)
+            with observe_prefill(request_id, len(request.prompt_token_ids)) as obs:
+                out = await self.engine.prefill(request_id, list(request.prompt_token_ids), params)
+                obs.done(out.cached_tokens, out.finish_reason)
         except PdError as exc:
             await abort_with(context, exc)
         self.num_requests += 1

@@ -75,6 +75,8 @@ from splitserve.transfer.common import (
     parse_endpoint,
 )
 from splitserve.transfer.layout import KVLayout
+from splitserve.telemetry.propagation import current_trace_context
+from splitserve.telemetry.transfer import start_send
 
 logger = logging.getLogger("splitserve.transfer.ucx")
 
@@ -261,6 +263,7 @@ class UcxKVSender(KVSender):
     async def _serve(self, ep, req: wire.FetchRequest, status: Status, detail: str, reg: Registration | None):
         bn = self._block_nbytes
         tag = req.tag_base
+        obs = start_send("ucx", req.transfer_id, sum(n for _s, n in req.runs), req.trace_context)
         sends = [ep.send(wire.encode_status(status, detail), tag=tag, force_tag=True)]
         nbytes = 0
         for i, (start, count) in enumerate(req.runs):
@@ -293,6 +296,8 @@ class UcxKVSender(KVSender):
                 if not t.done():
                     t.cancel()
             _consume(tasks)
+            served = ok and reg is not None
+            obs.finish(served, nbytes, None if served else f"{status.name}: {detail}" if status is not Status.OK else "send failed")
             if reg is not None:
                 if ok:
                     self.stats.bytes_sent += nbytes
@@ -449,7 +454,7 @@ class UcxKVReceiver(KVReceiver):
         try:
             await asyncio.sleep(0)  # the recv tasks run their first step (posting) before we continue
             request = wire.encode_fetch(
-                wire.FetchRequest(tag, bn, self._digest, transfer_id, [(s, n) for s, _d, n in segments])
+                wire.FetchRequest(tag, bn, self._digest, transfer_id, [(s, n) for s, _d, n in segments], current_trace_context())
             )
             send_task = loop.create_task(ep.am_send(request))
             await self._wait([send_task], deadline, "sending the request")
