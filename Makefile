@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install up test test-fast bench-transfer protos check-protos clean
+.PHONY: install up test test-fast bench-transfer bench-tracing protos check-protos clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,6 +27,9 @@ test-fast: install
 
 bench-transfer: install
 	$(PY) benchmarks/kv_transfer.py
+
+bench-tracing: install
+	$(PY) benchmarks/tracing_overhead.py
 
 protos: install
 	$(PY) scripts/gen_protos.py

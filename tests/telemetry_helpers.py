@@ -8,7 +8,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import StatusCode
 from prometheus_client import REGISTRY
 
-from splitserve.telemetry import tracing
+from splitserve.telemetry import metrics, tracing
+
+metrics.expose(*metrics.GROUPS)  # the tests read every group from the default registry
 
 
 class Spans:

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
-from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.applications import Starlette
 
@@ -72,6 +72,19 @@ def test_console_exporter_and_sdk_disabled():
     assert state == {"on": False, "enabled": False, "interceptors": 0} and "hello" not in rest
     state, _ = _child()
     assert state["on"] is False
+    state, rest = _child(OTEL_TRACES_EXPORTER="console", OTEL_TRACES_SAMPLER="always_off")
+    assert state["on"] is True and "hello" not in rest  # the SDK reads the sampler
+
+
+def test_otlp_protocol_selects_the_exporter(monkeypatch):
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
+
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4318")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
+    assert isinstance(tracing._exporter("otlp"), HttpExporter)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
+    assert isinstance(tracing._exporter("otlp"), GrpcExporter)
 
 
 def _families(text: str) -> dict:
@@ -79,9 +92,14 @@ def _families(text: str) -> dict:
 
 
 def test_every_metric_is_prefixed_and_in_base_units():
-    families = _families(generate_latest(REGISTRY).decode())
+    registry = CollectorRegistry()
+    _metrics.expose(*_metrics.GROUPS, registry=registry)
+    _metrics.expose("frontend", registry=registry)  # idempotent
+    with pytest.raises(ValueError, match="bogus"):
+        _metrics.expose("bogus")
+    families = _families(generate_latest(registry).decode())
     ours = {n: f for n, f in families.items() if n.startswith("splitserve")}
-    assert len(ours) >= 25
+    assert len({m.name for m in registry.collect()}) == sum(len(group) for group in _metrics.GROUPS.values()) > 20
     for name, family in ours.items():
         assert name.startswith("splitserve:"), name
         if family.type == "histogram":
@@ -117,11 +135,12 @@ def test_worker_metrics_server_serves_engine_gauges():
 async def test_metrics_route_on_a_starlette_app():
     registry = CollectorRegistry()
     register_engine(_fake_engine(free=8), registry)
-    app = Starlette(routes=[metrics_route(registry)])
+    app = Starlette(routes=[metrics_route(registry=registry)])
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
         r = await client.get("/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
-    assert "splitserve:kv_blocks_used" in _families(r.text)
+    families = _families(r.text)
+    assert "splitserve:kv_blocks_used" in families and "splitserve:time_to_first_token_seconds" in families
 
 
 def test_fetch_message_carries_the_trace_context():

@@ -105,8 +105,7 @@ async def test_stream_cancelled_by_the_client_ends_both_spans(spans, echo):
     call.cancel()
     await wait_for(lambda: len([s for s in spans.all() if s.name == "/test.Echo/Count"]) == 2)
     server, client = sorted((s for s in spans.all() if s.name == "/test.Echo/Count"), key=lambda s: s.kind.value)
-    assert spans.is_error(server) and "CANCELLED" in server.status.description
-    assert server.attributes["rpc.grpc.status_code"] == CANCELLED
+    assert server.attributes["rpc.grpc.status_code"] == CANCELLED and [e.name for e in server.events] == ["cancelled"]
     assert client.attributes["rpc.grpc.status_code"] == CANCELLED and not spans.is_error(client)  # we chose to stop
 
 
@@ -205,7 +204,7 @@ async def test_decode_stream_cancelled_by_the_router(spans, workers):
     gen = spans.named("decode.generate")
     server = next(s for s in spans.all() if s.name == "/pd.v1.DecodeService/Decode" and s.kind is SpanKind.SERVER)
     assert spans.is_error(gen) and gen.attributes["splitserve.outcome"] == "cancelled"
-    assert spans.is_error(server) and server.attributes["rpc.grpc.status_code"] == CANCELLED
+    assert server.attributes["rpc.grpc.status_code"] == CANCELLED and server.end_time is not None
     for _ in range(100):  # blocks freed: the wrappers leak nothing
 
         if (await d_engine.stats())["kv_blocks_free"] == free0:

@@ -13,7 +13,7 @@ from splitserve.engine.async_engine import AsyncEngine, set_torch_threads
 from splitserve.logs import setup_logging
 from splitserve.model import load_model
 from splitserve.rpc.server import bind, create_server, set_serving, stop_event_on_signals
-from splitserve.telemetry.exposition import register_engine, start_metrics_server
+from splitserve.telemetry.exposition import start_worker_metrics
 from splitserve.telemetry.tracing import setup_tracing
 from splitserve.transfer import create_receiver
 
@@ -33,8 +33,7 @@ async def serve(config: DecodeConfig) -> None:
     decode_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, server)
     port = bind(server, config.host, config.port)
     await server.start()
-    register_engine(engine)
-    metrics = start_metrics_server(config.host, config.metrics_port)
+    metrics = start_worker_metrics("decode", engine, config.host, config.metrics_port)
     await set_serving(health, [SERVICE])
     logger.info(
         "decode worker ready: grpc %s:%d, kv transport %s, model %s, %d KV blocks of %d tokens, metrics %s",

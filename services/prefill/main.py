@@ -13,7 +13,7 @@ from splitserve.engine.async_engine import AsyncEngine, set_torch_threads
 from splitserve.logs import setup_logging
 from splitserve.model import load_model
 from splitserve.rpc.server import bind, create_server, set_serving, stop_event_on_signals
-from splitserve.telemetry.exposition import register_engine, start_metrics_server
+from splitserve.telemetry.exposition import start_worker_metrics
 from splitserve.telemetry.tracing import setup_tracing
 from splitserve.transfer import create_sender
 
@@ -33,8 +33,8 @@ async def serve(config: PrefillConfig) -> None:
     prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, server)
     port = bind(server, config.host, config.port)
     await server.start()
-    register_engine(engine, gauges={"splitserve:kv_leases_held": ("KV transfers held for a decode worker to pull.", lambda: len(servicer.leases))})
-    metrics = start_metrics_server(config.host, config.metrics_port)
+    held = {"splitserve:kv_leases_held": ("KV transfers held for a decode worker to pull.", lambda: len(servicer.leases))}
+    metrics = start_worker_metrics("prefill", engine, config.host, config.metrics_port, gauges=held)
     await set_serving(health, [SERVICE])
     logger.info(
         "prefill worker ready: grpc %s:%d, kv data %s (%s), model %s, %d KV blocks of %d tokens, metrics %s",

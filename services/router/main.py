@@ -16,6 +16,7 @@ from splitserve.logs import setup_logging
 from splitserve.rpc.server import bind, create_server, set_serving, stop_event_on_signals
 from splitserve.served_model import load_served_model
 from splitserve.telemetry.asgi import instrument_app, metrics_route
+from splitserve.telemetry.interceptors import untraced
 from splitserve.telemetry.tracing import setup_tracing
 
 logger = logging.getLogger("splitserve.router")
@@ -38,7 +39,8 @@ async def serve(config: RouterConfig) -> None:
     if http_task.done():
         await server.stop(0)
         raise SystemExit(f"router: HTTP server failed to start on {config.host}:{config.http_port}")
-    layout_check = asyncio.create_task(backend.check_layouts())  # workers may still be starting
+    with untraced():  # start-up polling, not request traffic: no error spans while workers start
+        layout_check = asyncio.create_task(backend.check_layouts())  # workers may still be starting
     await set_serving(health, [SERVICE])
     logger.info(
         "router ready: http http://%s:%d/v1, grpc %s:%d, model %s, prefill %s, decode %s",

@@ -11,7 +11,8 @@ Modules (each with one job):
 * :mod:`~splitserve.telemetry.workers` -- prefill and decode spans and metrics.
 * :mod:`~splitserve.telemetry.transfer` -- KV transfer send/receive spans and metrics.
 * :mod:`~splitserve.telemetry.store` -- KV store put/get spans and hit/eviction metrics.
-* :mod:`~splitserve.telemetry.metrics` -- every Prometheus metric (``splitserve:`` prefix).
+* :mod:`~splitserve.telemetry.spans` -- outcome/status helpers shared by the manual spans.
+* :mod:`~splitserve.telemetry.metrics` -- every Prometheus metric (``splitserve:`` prefix), by role.
 * :mod:`~splitserve.telemetry.exposition` -- the workers' ``/metrics`` HTTP server and engine gauges.
 * :mod:`~splitserve.telemetry.receiver` -- an OTLP/gRPC trace receiver (tests, benchmarks).
 

@@ -15,13 +15,16 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from splitserve.telemetry.metrics import expose
 from splitserve.telemetry.tracing import tracing_enabled
 
 DEFAULT_EXCLUDED_URLS = "/health$,/metrics$"
 
 
-def metrics_route(registry: CollectorRegistry = REGISTRY, path: str = "/metrics") -> Route:
-    """A Starlette route serving ``registry`` in the Prometheus text format."""
+def metrics_route(*groups: str, registry: CollectorRegistry = REGISTRY, path: str = "/metrics") -> Route:
+    """A Starlette route serving ``registry`` in the Prometheus text format, after exposing the
+    metric ``groups`` on it (default: the front end's; see :func:`splitserve.telemetry.metrics.expose`)."""
+    expose(*(groups or ("frontend",)), registry=registry)
 
     async def metrics(request: Request) -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

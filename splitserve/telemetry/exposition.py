@@ -9,6 +9,8 @@ from typing import Any, Callable
 from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from splitserve.telemetry.metrics import expose
+
 logger = logging.getLogger(__name__)
 
 
@@ -83,3 +85,21 @@ def register_engine(engine, registry: CollectorRegistry = REGISTRY, gauges: dict
     collector = EngineCollector(engine, gauges)
     registry.register(collector)
     return collector
+
+
+WORKER_GROUPS = {"prefill": ("prefill", "transfer"), "decode": ("decode", "transfer")}
+
+
+def start_worker_metrics(role: str, engine, host: str, port: int, gauges=None) -> MetricsServer | None:
+    """Everything a worker needs for ``/metrics``: its metric groups, the engine's gauges and the HTTP
+    server (see :func:`start_metrics_server` for ``port``). Returns the server or None (port -1).
+
+    Raises:
+        ValueError: unknown ``role`` (``prefill``, ``decode``) or a bad port.
+    """
+    if role not in WORKER_GROUPS:
+        raise ValueError(f"unknown worker role {role!r}; known: {', '.join(WORKER_GROUPS)}")
+    check_metrics_port(port)
+    expose(*WORKER_GROUPS[role])
+    register_engine(engine, gauges=gauges)
+    return start_metrics_server(host, port)

@@ -4,8 +4,11 @@ Built on ``opentelemetry-instrumentation-grpc`` (its ``aio_server_interceptor`` 
 ``aio_client_interceptors``), with three fixes for long-lived streams:
 
 * server: a handler cancelled by its client (``CancelledError``, or the response generator closed)
-  ends its span with status ERROR "CANCELLED"; an unexpected exception sets ERROR too (the library
-  only records it), and the servicer's response generator is always closed.
+  ends its span with ``rpc.grpc.status_code`` 1 and a ``cancelled`` event (status not ERROR, per the
+  gRPC conventions -- a client may cancel after it got everything it wanted; the spans of the work
+  cut short carry the error); an unexpected exception sets ERROR (the library only records it);
+  the span is current only while the servicer runs, never across a ``yield``; the servicer's
+  response generator is always closed.
 * client, unary-unary and unary-stream: the span ends when the call terminates, whatever the way
   (done callback), so a cancelled call or a stream abandoned by its reader is still ended and
   exported. The library leaves the span open when a unary call is cancelled, and ends a stream's
@@ -23,6 +26,7 @@ import os
 
 import grpc
 from opentelemetry.instrumentation.grpc import aio_client_interceptors, aio_server_interceptor, filters
+from opentelemetry.instrumentation.utils import suppress_instrumentation
 from opentelemetry.instrumentation.grpc._aio_client import (
     UnaryStreamAioClientInterceptor,
     UnaryUnaryAioClientInterceptor,
@@ -38,6 +42,9 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode, set_span_in_
 from splitserve.telemetry.tracing import tracing_enabled
 
 RPC_GRPC_STATUS_CODE = "rpc.grpc.status_code"
+
+#: ``with untraced(): ...`` -- calls made inside (and in tasks created inside) get no RPC/HTTP spans
+untraced = suppress_instrumentation
 
 
 def _filter():
@@ -79,8 +86,10 @@ def _set_unexpected_error(span: Span, error: BaseException) -> None:
 
 
 def _set_cancelled(span: Span) -> None:
+    # Not an ERROR status (the gRPC semantic conventions: a server span errs only on server faults);
+    # the spans of the work that was cut short (decode.generate, prefill) carry the error.
     span.set_attribute(RPC_GRPC_STATUS_CODE, grpc.StatusCode.CANCELLED.value[0])
-    span.set_status(Status(StatusCode.ERROR, "CANCELLED: the client cancelled the call"))
+    span.add_event("cancelled", {"reason": "the client cancelled the call"})
 
 
 class _ServerInterceptor(OpenTelemetryAioServerInterceptor):
