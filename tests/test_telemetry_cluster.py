@@ -198,6 +198,29 @@ async def test_metrics_of_every_service_parse_and_move(traced):
     assert "splitserve:time_to_first_token_seconds_count" not in names["decode-0"]
 
 
+async def test_decode_worker_killed_mid_stream_ends_the_router_spans_with_errors(traced):
+    """Last test on this cluster: it kills the decode worker."""
+    receiver, base_url, _, cluster = traced
+    decode = next(c for c in cluster.children if c.name == "decode-0")
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 400, "temperature": 0, "stream": True, "ignore_eos": True}
+    async with httpx.AsyncClient(base_url=base_url, timeout=60) as http:
+        async with http.stream("POST", "/v1/completions", json=body) as r:
+            request_id = r.headers["x-request-id"]
+            lines = []
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    lines.append(line)
+                if len(lines) == 4 and decode.proc.poll() is None:
+                    decode.proc.kill()
+    assert lines[-1] == "data: [DONE]" and any('"error"' in line for line in lines)
+    request = request_span(receiver, request_id)
+    assert request.status_code == STATUS_ERROR and request.attributes["splitserve.outcome"] == "error"
+    spans = in_trace(receiver.wait_for(lambda ss: any(s.name == "/pd.v1.DecodeService/Decode" and s.kind == CLIENT
+                                                      for s in in_trace(ss, request.trace_id))), request.trace_id)
+    call = one(spans, "/pd.v1.DecodeService/Decode", CLIENT)
+    assert call.status_code == STATUS_ERROR and call.attributes["rpc.grpc.status_code"] == 14  # UNAVAILABLE
+
+
 def test_up_trace_wires_every_process_and_prints_metrics_endpoints():
     http_port, grpc_port = free_port(), free_port()
     with OTLPReceiver() as receiver:
