@@ -1,7 +1,7 @@
 """gRPC aio interceptors: W3C trace context on every hop, one span per RPC on each side.
 
 Built on ``opentelemetry-instrumentation-grpc`` (its ``aio_server_interceptor`` /
-``aio_client_interceptors``), with three fixes for long-lived streams:
+``aio_client_interceptors``), with fixes for long-lived streams on both sides:
 
 * server: a handler cancelled by its client (``CancelledError``, or the response generator closed)
   ends its span with ``rpc.grpc.status_code`` 1 and a ``cancelled`` event (status not ERROR, per the
@@ -25,8 +25,8 @@ import asyncio
 import os
 
 import grpc
+from opentelemetry.context import attach, detach
 from opentelemetry.instrumentation.grpc import aio_client_interceptors, aio_server_interceptor, filters
-from opentelemetry.instrumentation.utils import suppress_instrumentation
 from opentelemetry.instrumentation.grpc._aio_client import (
     UnaryStreamAioClientInterceptor,
     UnaryUnaryAioClientInterceptor,
@@ -35,7 +35,7 @@ from opentelemetry.instrumentation.grpc._aio_server import (
     OpenTelemetryAioServerInterceptor,
     _OpenTelemetryAioServicerContext,
 )
-from opentelemetry.context import attach, detach
+from opentelemetry.instrumentation.utils import suppress_instrumentation
 from opentelemetry.propagate import extract
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, set_span_in_context
 
