@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install up test test-fast bench-transfer bench-kvstore protos check-protos clean
+.PHONY: install up test test-fast bench-transfer bench-kvstore bench-tracing protos check-protos clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,9 @@ bench-transfer: install
 
 bench-kvstore: install
 	$(PY) benchmarks/kvstore_trace.py
+
+bench-tracing: install
+	$(PY) benchmarks/tracing_overhead.py
 
 protos: install
 	$(PY) scripts/gen_protos.py

@@ -49,17 +49,24 @@ def _up(argv: list[str]) -> int:
     ap.add_argument("--store-replicas", type=int, default=int(env("PD_KVSTORE_REPLICAS", "1")), help="copies per object on distinct nodes")
     ap.add_argument("--kv-transfer-mode", default=env("PD_KV_TRANSFER_MODE", "direct"), choices=["direct", "store"],
                     help="direct: decode pulls KV from prefill over UCX; store: through the KV store")
+    ap.add_argument("--trace", action="store_true", help="every process exports OpenTelemetry traces over OTLP")
+    ap.add_argument("--otlp-endpoint", help="OTLP endpoint for --trace (implies it); default $OTEL_EXPORTER_OTLP_ENDPOINT "
+                    "or http://127.0.0.1:4317 (e.g. Jaeger all-in-one)")
     a = ap.parse_args(argv)
     store_nodes = 0 if a.no_store else a.store_nodes
     if a.kv_transfer_mode == "store" and not store_nodes:
         ap.error("--kv-transfer-mode store needs the KV store (drop --no-store, --store-nodes >= 1)")
     setup_logging("up")
     log = logging.getLogger("splitserve.up")
+    trace_env = {}
+    if a.trace or a.otlp_endpoint:
+        endpoint = a.otlp_endpoint or env("OTEL_EXPORTER_OTLP_ENDPOINT") or "http://127.0.0.1:4317"
+        trace_env = {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint}
     worker_args = ["--transport", a.transport, "--block-size", str(a.block_size), "--kv-cache-mb", str(a.kv_cache_mb),
                    "--kv-transfer-mode", a.kv_transfer_mode]
     cluster, http_port, grpc_port = build_cluster(
         model=a.model, num_prefill=a.prefill, num_decode=a.decode, host=a.host,
-        http_port=a.http_port, grpc_port=a.grpc_port, worker_args=worker_args,
+        http_port=a.http_port, grpc_port=a.grpc_port, worker_args=worker_args, env=trace_env,
         store_nodes=store_nodes, master_args=["--replicas", str(a.store_replicas)], node_args=["--segment-mb", str(a.store_mb)],
     )
     stopping = False
@@ -80,9 +87,13 @@ def _up(argv: list[str]) -> int:
     base = f"http://{a.host}:{http_port}/v1"
     store = (f"KV store ({a.kv_transfer_mode} KV transfer, {a.store_replicas} replica(s)):\n{store_health(cluster)}\n"
              if store_nodes else "KV store: off\n")
+    metrics = "\n               ".join(f"{c.metrics}  ({c.name})" for c in cluster.children if c.metrics)
+    otlp = trace_env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or env("OTEL_EXPORTER_OTLP_ENDPOINT")
+    traces = f"OTLP to {otlp}" if otlp and env("OTEL_SDK_DISABLED", "").lower() != "true" else "off (--trace to export them)"
     print(
         f"\nsplitserve is up: {a.prefill} prefill + {a.decode} decode workers, model {a.model}\n"
-        f"  OpenAI API : {base}\n  gRPC       : {a.host}:{grpc_port} (pd.v1.RouterService)\n{store}\n"
+        f"  OpenAI API : {base}\n  gRPC       : {a.host}:{grpc_port} (pd.v1.RouterService)\n"
+        f"  Metrics    : {metrics}\n  Traces     : {traces}\n{store}\n"
         f"try:\n  curl -sN {base}/completions -H 'Content-Type: application/json' \\\n"
         f"    -d '{{\"model\": \"{os.path.basename(a.model.rstrip('/')).removesuffix('.gguf')}\", \"prompt\": \"Once upon a time\", "
         f"\"max_tokens\": 48, \"temperature\": 0, \"stream\": true}}'\n"

@@ -44,6 +44,7 @@ class Child:
     name: str
     argv: list[str]
     health: str  # "grpc:host:port" or "http://host:port/health"
+    metrics: str = ""  # Prometheus endpoint, "http://host:port/metrics"
     proc: subprocess.Popen | None = None
     reported: bool = False
 
@@ -121,7 +122,8 @@ def build_cluster(
     grpc_port: int = 50050, worker_args: list[str] | None = None, env: dict[str, str] | None = None,
     store_nodes: int = 0, master_args: list[str] | None = None, node_args: list[str] | None = None,
 ) -> tuple[Cluster, int, int]:
-    """Describe a cluster; ports 0 are replaced by free ones. Returns (cluster, http_port, grpc_port).
+    """Describe a cluster; ports 0 are replaced by free ones (workers' gRPC and /metrics ports are
+    always free ones). Returns (cluster, http_port, grpc_port).
 
     ``store_nodes`` > 0 adds a KV store master and that many storage nodes, and points every worker at the
     master (``--kvstore-master``); ``master_args``/``node_args`` go to those processes.
@@ -140,13 +142,14 @@ def build_cluster(
         common += ["--kvstore-master", master]
     for role, count, addrs in (("prefill", num_prefill, prefill_addrs), ("decode", num_decode, decode_addrs)):
         for i in range(count):
-            port = free_port(host)
+            port, metrics_port = free_port(host), free_port(host)
             addrs.append(f"{host}:{port}")
-            children.append(Child(f"{role}-{i}", [*py, role, *common, "--host", host, "--port", str(port)], f"grpc:{host}:{port}"))
+            argv = [*py, role, *common, "--host", host, "--port", str(port), "--metrics-port", str(metrics_port)]
+            children.append(Child(f"{role}-{i}", argv, f"grpc:{host}:{port}", f"http://{host}:{metrics_port}/metrics"))
     router = [*py, "router", "--model", model, "--host", host, "--http-port", str(http_port), "--grpc-port", str(grpc_port),
               "--prefill", ",".join(prefill_addrs), "--decode", ",".join(decode_addrs)]
     children += store
-    children.append(Child("router", router, f"http://{host}:{http_port}/health"))
+    children.append(Child("router", router, f"http://{host}:{http_port}/health", f"http://{host}:{http_port}/metrics"))
     return Cluster(children, env or {}), http_port, grpc_port
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from splitserve.engine.args import add_engine_args, engine_config
 from splitserve.engine.async_engine import EngineConfig
 from splitserve.kvstore.config import StoreClientConfig, add_store_args, store_config
+from splitserve.telemetry.exposition import check_metrics_port
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,10 +20,12 @@ class DecodeConfig:
     transport: str = "ucx"
     kv_transfer_timeout_s: float = 10.0  # a KV pull that takes longer fails the request
     torch_threads: int = 1
+    metrics_port: int = 0  # HTTP GET /metrics (Prometheus) on host:metrics_port; 0 = any free port, -1 = off
     engine: EngineConfig = EngineConfig()
     store: StoreClientConfig = StoreClientConfig()
 
     def __post_init__(self) -> None:
+        check_metrics_port(self.metrics_port)
         if self.kv_transfer_timeout_s <= 0:
             raise ValueError(f"kv_transfer_timeout_s must be > 0, got {self.kv_transfer_timeout_s}")
 
@@ -35,9 +38,10 @@ def parse(argv: list[str] | None = None) -> DecodeConfig:
     ap.add_argument("--port", type=int, default=int(env("PD_DECODE_PORT", "50071")))
     ap.add_argument("--kv-transfer-timeout-s", type=float, default=float(env("PD_KV_TRANSFER_TIMEOUT_S", "10")))
     add_store_args(ap)
+    ap.add_argument("--metrics-port", type=int, default=int(env("PD_METRICS_PORT", "0")), help="HTTP /metrics port; 0 = any free, -1 = off")
     a = ap.parse_args(argv)
     return DecodeConfig(
         model=a.model, host=a.host, port=a.port, transport=a.transport,
-        kv_transfer_timeout_s=a.kv_transfer_timeout_s, torch_threads=a.torch_threads, engine=engine_config(a),
+        kv_transfer_timeout_s=a.kv_transfer_timeout_s, torch_threads=a.torch_threads, metrics_port=a.metrics_port, engine=engine_config(a),
         store=store_config(a),
     )

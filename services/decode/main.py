@@ -15,6 +15,8 @@ from splitserve.kvstore.worker import start_store
 from splitserve.logs import setup_logging
 from splitserve.model import load_model
 from splitserve.rpc.server import bind, create_server, set_serving, stop_event_on_signals
+from splitserve.telemetry.exposition import start_worker_metrics
+from splitserve.telemetry.tracing import setup_tracing
 from splitserve.transfer import create_receiver
 
 logger = logging.getLogger("splitserve.decode")
@@ -36,10 +38,12 @@ async def serve(config: DecodeConfig) -> None:
     decode_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, server)
     port = bind(server, config.host, config.port)
     await server.start()
+    metrics = start_worker_metrics("decode", engine, config.host, config.metrics_port)
     await set_serving(health, [SERVICE])
     logger.info(
-        "decode worker ready: grpc %s:%d, kv transport %s, model %s, %d KV blocks of %d tokens, kv store %s",
+        "decode worker ready: grpc %s:%d, kv transport %s, model %s, %d KV blocks of %d tokens, kv store %s, metrics %s",
         config.host, port, config.transport, lm.model_id, engine.num_blocks, config.engine.block_size, config.store.master or "off",
+        metrics.url if metrics else "off",
     )
     stop = stop_event_on_signals()
     try:
@@ -51,12 +55,15 @@ async def serve(config: DecodeConfig) -> None:
         if store is not None:
             await store.close()
             await store_client.close()
+        if metrics:
+            metrics.close()
         await receiver.close()
         await engine.stop()
 
 
 def main(argv: list[str] | None = None) -> None:
     setup_logging("decode")
+    setup_tracing("splitserve-decode")
     asyncio.run(serve(parse(argv)))
 
 

@@ -22,6 +22,8 @@ from splitserve.errors import InvalidRequest, PdError
 from splitserve.rpc.convert import FINISH_TO_PROTO, layout_from_proto, layout_to_proto, sampling_from_proto
 from splitserve.rpc.stats import GrpcByteCounter
 from splitserve.rpc.status import abort_with
+from splitserve.telemetry.transfer import observe_receive
+from splitserve.telemetry.workers import observe_decode
 from splitserve.transfer.base import KVReceiver
 
 logger = logging.getLogger(__name__)
@@ -50,7 +52,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             else:
                 self.num_local_prefills += 1
                 stream = self.engine.generate(request.request_id, prompt, params)
-            async for out in stream:
+            async for out in observe_decode(stream, request.request_id, local_prefill=not request.HasField("kv_handle")):
                 yield self.grpc_bytes.sent(self._response(out))
         except PdError as exc:
             logger.warning("decode %s failed: %s", request.request_id, exc)
@@ -74,7 +76,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             if handle.via_store:  # store transfer mode: read from the KV store, recompute what is missing
                 computed = await self.store.load_prompt(handle, prompt, block_ids) if self.store is not None else 0
             else:
-                await self.receiver.fetch(handle.endpoint, handle.transfer_id, list(handle.block_ids), block_ids, self.transfer_timeout_s)
+                with observe_receive(self.transport, handle.endpoint, handle.transfer_id, len(block_ids)) as obs:
+                    obs.nbytes = await self.receiver.fetch(handle.endpoint, handle.transfer_id, list(handle.block_ids), block_ids, self.transfer_timeout_s)
             stream = self.engine.decode_prefilled(request.request_id, prompt, params, request.first_token_id, block_ids, computed)
         except BaseException:
             self.engine.free_blocks(block_ids)

@@ -15,6 +15,8 @@ from splitserve.kvstore.worker import start_store
 from splitserve.logs import setup_logging
 from splitserve.model import load_model
 from splitserve.rpc.server import bind, create_server, set_serving, stop_event_on_signals
+from splitserve.telemetry.exposition import start_worker_metrics
+from splitserve.telemetry.tracing import setup_tracing
 from splitserve.transfer import create_sender
 
 logger = logging.getLogger("splitserve.prefill")
@@ -36,11 +38,13 @@ async def serve(config: PrefillConfig) -> None:
     prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, server)
     port = bind(server, config.host, config.port)
     await server.start()
+    held = {"splitserve:kv_leases_held": ("KV transfers held for a decode worker to pull.", lambda: len(servicer.leases))}
+    metrics = start_worker_metrics("prefill", engine, config.host, config.metrics_port, gauges=held)
     await set_serving(health, [SERVICE])
     logger.info(
-        "prefill worker ready: grpc %s:%d, kv data %s (%s), model %s, %d KV blocks of %d tokens, kv store %s (%s transfer)",
+        "prefill worker ready: grpc %s:%d, kv data %s (%s), model %s, %d KV blocks of %d tokens, kv store %s (%s transfer), metrics %s",
         config.host, port, sender.endpoint, config.transport, lm.model_id, engine.num_blocks, config.engine.block_size,
-        config.store.master or "off", config.store.transfer_mode,
+        config.store.master or "off", config.store.transfer_mode, metrics.url if metrics else "off",
     )
     stop = stop_event_on_signals()
     try:
@@ -49,6 +53,8 @@ async def serve(config: PrefillConfig) -> None:
         logger.info("prefill worker stopping")
         await set_serving(health, [SERVICE], serving=False)
         await server.stop(grace=2)
+        if metrics:
+            metrics.close()
         servicer.leases.release_all()
         if store is not None:
             await store.close()
@@ -59,6 +65,7 @@ async def serve(config: PrefillConfig) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     setup_logging("prefill")
+    setup_tracing("splitserve-prefill")
     asyncio.run(serve(parse(argv)))
 
 

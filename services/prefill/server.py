@@ -21,6 +21,7 @@ from splitserve.kvstore.kv_blocks import tail_key
 from splitserve.rpc.convert import FINISH_TO_PROTO, layout_to_proto, sampling_from_proto
 from splitserve.rpc.stats import GrpcByteCounter
 from splitserve.rpc.status import abort_with
+from splitserve.telemetry.workers import observe_prefill
 from splitserve.transfer.base import KVSender
 
 logger = logging.getLogger(__name__)
@@ -45,10 +46,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             if not request.prompt_token_ids:
                 raise InvalidRequest("prompt_token_ids is empty")
             prompt = list(request.prompt_token_ids)
-            if self.store is not None:
-                out = await self.store.prefill(request_id, prompt, params)
-            else:
-                out = await self.engine.prefill(request_id, prompt, params)
+            with observe_prefill(request_id, len(prompt)) as obs:
+                if self.store is not None:
+                    out = await self.store.prefill(request_id, prompt, params)
+                else:
+                    out = await self.engine.prefill(request_id, prompt, params)
+                obs.done(out.cached_tokens, out.finish_reason)
         except PdError as exc:
             await abort_with(context, exc)
         self.num_requests += 1

@@ -22,6 +22,7 @@ from splitserve.frontend.backend import TokenEvent
 from splitserve.rpc.convert import FINISH_FROM_PROTO, layout_from_proto, sampling_to_proto
 from splitserve.rpc.server import insecure_channel
 from splitserve.rpc.status import error_from_rpc
+from splitserve.telemetry.metrics import DISAGG_DECISIONS
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +95,7 @@ class DisaggregatedBackend:
         if finish is not None or not resp.HasField("kv_handle"):
             yield TokenEvent([resp.first_token_id], finish or "stop", resp.cached_tokens)
             return
+        DISAGG_DECISIONS.labels("remote_prefill").inc()
         call = decode.stub.Decode(
             decode_pb2.DecodeRequest(
                 request_id=request_id,

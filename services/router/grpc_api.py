@@ -13,13 +13,15 @@ from splitserve.frontend.backend import GenerationBackend
 from splitserve.frontend.pipeline import generate_text
 from splitserve.rpc.convert import FINISH_TO_PROTO, sampling_from_proto
 from splitserve.rpc.status import abort_with
+from splitserve.telemetry.requests import observe_request
 
 
 class RouterServicer(router_pb2_grpc.RouterServiceServicer):
-    def __init__(self, backend: GenerationBackend, tokenizer, max_model_len: int) -> None:
+    def __init__(self, backend: GenerationBackend, tokenizer, max_model_len: int, model_name: str = "") -> None:
         self.backend = backend
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
+        self.model_name = model_name  # for telemetry
 
     def _prompt_ids(self, request: router_pb2.GenerateRequest) -> list[int]:
         which = request.WhichOneof("input")
@@ -53,7 +55,8 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                 raise InvalidRequest("stop: at most 4 non-empty strings")
             completion_tokens = 0
             cached = 0
-            async for delta in generate_text(self.backend, self.tokenizer, request_id, prompt_ids, params, list(request.stop)):
+            deltas = generate_text(self.backend, self.tokenizer, request_id, prompt_ids, params, list(request.stop))
+            async for delta in observe_request(deltas, model=self.model_name, request_id=request_id, prompt_tokens=len(prompt_ids), params=params):
                 completion_tokens += len(delta.token_ids)
                 cached = max(cached, delta.cached_tokens)
                 msg = router_pb2.GenerateResponse(

@@ -15,6 +15,9 @@ from splitserve.frontend.http_app import build_app
 from splitserve.logs import setup_logging
 from splitserve.rpc.server import bind, create_server, set_serving, stop_event_on_signals
 from splitserve.served_model import load_served_model
+from splitserve.telemetry.asgi import instrument_app, metrics_route
+from splitserve.telemetry.interceptors import untraced
+from splitserve.telemetry.tracing import setup_tracing
 
 logger = logging.getLogger("splitserve.router")
 SERVICE = router_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name
@@ -24,10 +27,10 @@ async def serve(config: RouterConfig) -> None:
     served = load_served_model(config.model, config.served_model_name)
     backend = DisaggregatedBackend(list(config.prefill), list(config.decode), config.prefill_timeout_s)
     server, health = create_server()
-    router_pb2_grpc.add_RouterServiceServicer_to_server(RouterServicer(backend, served.tokenizer, served.max_model_len), server)
+    router_pb2_grpc.add_RouterServiceServicer_to_server(RouterServicer(backend, served.tokenizer, served.max_model_len, served.name), server)
     grpc_port = bind(server, config.host, config.grpc_port)
     await server.start()
-    app = build_app(served, backend)
+    app = instrument_app(build_app(served, backend, extra_routes=[metrics_route()]))  # /metrics; HTTP spans if tracing
     http = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.http_port, log_level="warning", lifespan="off"))
     http.install_signal_handlers = lambda: None  # signals are ours (stop_event_on_signals)
     http_task = asyncio.create_task(http.serve())
@@ -36,7 +39,8 @@ async def serve(config: RouterConfig) -> None:
     if http_task.done():
         await server.stop(0)
         raise SystemExit(f"router: HTTP server failed to start on {config.host}:{config.http_port}")
-    layout_check = asyncio.create_task(backend.check_layouts())  # workers may still be starting
+    with untraced():  # start-up polling, not request traffic: no error spans while workers start
+        layout_check = asyncio.create_task(backend.check_layouts())  # workers may still be starting
     await set_serving(health, [SERVICE])
     logger.info(
         "router ready: http http://%s:%d/v1, grpc %s:%d, model %s, prefill %s, decode %s",
@@ -56,6 +60,7 @@ async def serve(config: RouterConfig) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     setup_logging("router")
+    setup_tracing("splitserve-router")
     asyncio.run(serve(parse(argv)))
 
 

@@ -20,6 +20,9 @@ from splitserve.logs import setup_logging
 from splitserve.model import load_model
 from splitserve.rpc.server import bind, create_server, set_serving, stop_event_on_signals
 from splitserve.served_model import ServedModel
+from splitserve.telemetry.asgi import instrument_app, metrics_route
+from splitserve.telemetry.exposition import register_engine
+from splitserve.telemetry.tracing import setup_tracing
 
 logger = logging.getLogger("splitserve.colocated")
 
@@ -32,10 +35,11 @@ async def serve(args: argparse.Namespace) -> None:
     backend = LocalBackend(engine)
     served = ServedModel(args.served_model_name or Path(args.model).name.removesuffix(".gguf"), lm.tokenizer, lm.max_model_len)
     server, health = create_server()
-    router_pb2_grpc.add_RouterServiceServicer_to_server(RouterServicer(backend, lm.tokenizer, lm.max_model_len), server)
+    router_pb2_grpc.add_RouterServiceServicer_to_server(RouterServicer(backend, lm.tokenizer, lm.max_model_len, served.name), server)
     grpc_port = bind(server, args.host, args.grpc_port)
+    register_engine(engine)
     await server.start()
-    http = uvicorn.Server(uvicorn.Config(build_app(served, backend), host=args.host, port=args.http_port, log_level="warning", lifespan="off"))
+    http = uvicorn.Server(uvicorn.Config(instrument_app(build_app(served, backend, extra_routes=[metrics_route()])), host=args.host, port=args.http_port, log_level="warning", lifespan="off"))
     http.install_signal_handlers = lambda: None
     http_task = asyncio.create_task(http.serve())
     await set_serving(health, ["pd.v1.RouterService"])
@@ -59,4 +63,5 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--http-port", type=int, default=int(env("PD_HTTP_PORT", "8000")))
     ap.add_argument("--grpc-port", type=int, default=int(env("PD_GRPC_PORT", "50050")))
     setup_logging("coloc")
+    setup_tracing("splitserve-colocated")
     asyncio.run(serve(ap.parse_args(argv)))

@@ -36,6 +36,7 @@ from splitserve.frontend.protocol import ChatCompletionRequest, CompletionReques
 from splitserve.frontend.responses import ChatFormatter, CompletionFormatter, Outcome, ResponseFormatter
 from splitserve.frontend.sse import DONE, SSEResponse, cancel_on_disconnect, sse_event
 from splitserve.frontend import validation as v
+from splitserve.telemetry.requests import observe_request
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 """OpenAI's default ``max_tokens`` for ``/v1/completions``."""
@@ -126,7 +127,10 @@ class _OpenAIServer:
     async def _serve(
         self, request: Request, req: GenerationRequest, prompt_ids: list[int], params: SamplingParams, fmt: ResponseFormatter
     ) -> Response:
-        deltas = generate_text(self.backend, self.tokenizer, fmt.id, prompt_ids, params, req.stop_list())
+        deltas = observe_request(  # request span + TTFT/ITL metrics around the pipeline
+            generate_text(self.backend, self.tokenizer, fmt.id, prompt_ids, params, req.stop_list()),
+            model=self.info.name, request_id=fmt.id, prompt_tokens=len(prompt_ids), params=params, stream=req.stream,
+        )
         headers = {"x-request-id": fmt.id}
         try:
             finished, first = await cancel_on_disconnect(request.receive, deltas.__anext__)

@@ -9,6 +9,8 @@ import signal
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from splitserve.telemetry.interceptors import client_interceptors, server_interceptors
+
 logger = logging.getLogger(__name__)
 
 # Control messages are small, but prompts of long contexts are not: allow 64 MiB of token ids.
@@ -19,7 +21,7 @@ GRPC_OPTIONS = [
 
 
 def create_server() -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
-    server = grpc.aio.server(options=GRPC_OPTIONS)
+    server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=server_interceptors())  # tracing, if set up
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     return server, health_servicer
@@ -49,4 +51,4 @@ def stop_event_on_signals() -> asyncio.Event:
 
 
 def insecure_channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+    return grpc.aio.insecure_channel(address, options=GRPC_OPTIONS, interceptors=client_interceptors())

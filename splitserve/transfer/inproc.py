@@ -27,6 +27,7 @@ from splitserve.transfer.common import (
     parse_endpoint,
 )
 from splitserve.transfer.layout import KVLayout
+from splitserve.telemetry.transfer import start_send
 
 __all__ = ["InprocKVReceiver", "InprocKVSender"]
 
@@ -153,6 +154,7 @@ class InprocKVReceiver(KVReceiver):
             raise TransferRefused(f"KV sender {endpoint} refused transfer {transfer_id!r}: {detail}")
         bn = self._block_nbytes
         ok = False
+        obs = start_send("inproc", transfer_id, sum(n for _s, _d, n in segments))  # child of the caller's span
         try:
             for s, d, n in segments:
                 self._bytes[d * bn : (d + n) * bn].copy_(sender._bytes[s * bn : (s + n) * bn])  # noqa: SLF001
@@ -164,5 +166,6 @@ class InprocKVReceiver(KVReceiver):
                 sender.stats.transfers_ok += 1
             else:
                 sender.stats.transfers_failed += 1
+            obs.finish(ok, nbytes, None if ok else "copy failed")
             call_on_done(reg, ok)
         return nbytes

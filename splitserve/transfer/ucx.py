@@ -80,6 +80,8 @@ from splitserve.transfer.common import (
     parse_endpoint,
 )
 from splitserve.transfer.layout import KVLayout
+from splitserve.telemetry.propagation import current_trace_context
+from splitserve.telemetry.transfer import start_send
 
 logger = logging.getLogger("splitserve.transfer.ucx")
 
@@ -334,6 +336,7 @@ class UcxKVSender(KVSender):
             logger.warning("KV sender: malformed request, dropping connection: %s", exc)
             return False
         reg: Registration | None = None
+        obs = start_send("ucx", req.transfer_id, sum(n for _s, n in req.runs), req.trace_context)
         if self._closing:
             status, detail = Status.CLOSING, "sender is closing"
         elif req.block_nbytes != self._block_nbytes or req.layout_digest != self._digest:
@@ -357,7 +360,8 @@ class UcxKVSender(KVSender):
                     posted.send(_EMPTY, req.tag_base + 1 + i)
         except Exception as exc:  # endpoint closed or failed while posting
             error = exc
-        task = asyncio.get_running_loop().create_task(self._finish(ep, req.transfer_id, posted, error, reg, nbytes))
+        refusal = None if status is Status.OK else f"{status.name}: {detail}"
+        task = asyncio.get_running_loop().create_task(self._finish(ep, req.transfer_id, posted, error, reg, nbytes, obs, refusal))
         self._serve_tasks[task] = ep
         task.add_done_callback(self._serve_tasks.pop)
         return error is None
@@ -370,8 +374,10 @@ class UcxKVSender(KVSender):
         error: BaseException | None,
         reg: Registration | None,
         nbytes: int,
+        obs,
+        refusal: str | None,
     ) -> None:
-        """Wait for the posted sends, then report the transfer exactly once."""
+        """Wait for the posted sends, then report the transfer exactly once (and end its span)."""
         ok = False
         futures = posted.futures if posted is not None else []
         try:
@@ -394,6 +400,8 @@ class UcxKVSender(KVSender):
                 if any(not f.done() for f in futures):
                     await asyncio.wait(futures, timeout=1.0)
             _consume(futures)
+            served = ok and reg is not None
+            obs.finish(served, nbytes, None if served else refusal or "send failed")
             if reg is not None:
                 if ok:
                     self.stats.bytes_sent += nbytes
@@ -541,7 +549,7 @@ class UcxKVReceiver(KVReceiver):
         tag = _next_tag_base()
         status_buf = np.zeros(wire.STATUS_BUF_NBYTES, dtype=np.uint8)
         request = wire.encode_fetch(
-            wire.FetchRequest(tag, bn, self._digest, transfer_id, [(s, n) for s, _d, n in segments])
+            wire.FetchRequest(tag, bn, self._digest, transfer_id, [(s, n) for s, _d, n in segments], current_trace_context())
         )
         try:
             posted = _Posted(ep)
