@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -27,7 +28,17 @@ _PR_SET_PDEATHSIG = 1
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
+    """A port that is free now, drawn at random below Linux's ephemeral range (32768+), so that the
+    kernel does not hand it to an outgoing connection before the service binds it."""
+    for _ in range(200):
+        port = random.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # crowded range: let the kernel choose
         s.bind((host, 0))
         return s.getsockname()[1]
 
