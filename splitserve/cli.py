@@ -1,4 +1,4 @@
-"""The `splitserve` command: up | prefill | decode | router | colocated | generate."""
+"""The `splitserve` command: up | prefill | decode | router | colocated | generate | bench."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ commands:
   router     run the router (OpenAI HTTP API + gRPC RouterService)
   colocated  serve prefill and decode in one process (reference / baseline)
   generate   stream a completion from a running router over gRPC
+  bench      benchmark an endpoint; `bench compare` colocated vs disaggregated; `bench efficiency`
 
 `splitserve <command> --help` shows each command's options.
 """
@@ -135,6 +136,8 @@ def main(argv: list[str] | None = None) -> None:
         from splitserve.services.router.main import main as run
     elif command == "colocated":
         from splitserve.colocated.main import main as run
+    elif command == "bench":
+        from splitserve.bench.cli import main as run
     else:
         print(f"unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
         sys.exit(2)
