@@ -8,7 +8,9 @@ import httpx
 import pytest
 
 from splitserve.bench.client import RequestRecord, request_body, run_requests
-from splitserve.bench.compare import build_config, targets, warmup_specs, ServerSettings
+from dataclasses import replace
+
+from splitserve.bench.compare import ServerSettings, build_config, command_lines, targets, warmup_specs
 from splitserve.bench.metrics import SLO
 from splitserve.bench.report import RunResult, comparison_table, write_results
 from splitserve.bench.workloads import RequestSpec, synthetic_mixed
@@ -90,6 +92,10 @@ def test_compare_configs_pin_workers_and_enable_chunking():
     disagg, url = build_config("disaggregated", s)
     pins = {c.name: c.argv[3] if "splitserve.bench.pin" in c.argv else None for c in disagg.children}
     assert pins == {"prefill-0": "0", "decode-0": "1", "router": None} and url.startswith("http://127.0.0.1:")
+    niced, _ = build_config("disaggregated", replace(s, nice=-5))
+    lines = command_lines(niced)
+    assert lines[0].startswith("taskset -c 0 nice -n -5 splitserve prefill --model synthetic:llama-tiny")
+    assert lines[2].startswith("taskset -c ") and " router " in lines[2]
     with pytest.raises(ValueError, match="unknown configuration"):
         build_config("nope", s)
     w = synthetic_mixed(list(range(10, 100)), 20, 0)

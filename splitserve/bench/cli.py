@@ -41,9 +41,9 @@ def add_workload_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--num-requests", type=int, default=60, help="requests (for traces: the most to replay)")
     ap.add_argument("--seed", type=int, default=0)
     g = ap.add_argument_group("synthetic workloads")
-    g.add_argument("--document-every", type=int, default=6, help="mixed: every N-th request after the first 8 is a document")
+    g.add_argument("--document-every", type=int, default=4, help="mixed: every N-th request after the first 8 is a document")
     g.add_argument("--interactive-prompt", type=_range, default=(32, 128), help="LO:HI tokens")
-    g.add_argument("--interactive-output", type=_range, default=(128, 192), help="LO:HI tokens")
+    g.add_argument("--interactive-output", type=_range, default=(96, 160), help="LO:HI tokens")
     g.add_argument("--document-prompt", type=_range, default=(1024, 1536), help="LO:HI tokens")
     g.add_argument("--document-output", type=_range, default=(8, 16), help="LO:HI tokens")
     g.add_argument("--prompt-tokens", type=int, default=128, help="fixed: prompt tokens")
@@ -159,6 +159,8 @@ def compare_main(argv: list[str]) -> int:
     ap.add_argument("--prefill-cpus", default="0")
     ap.add_argument("--decode-cpus", default="1")
     ap.add_argument("--skip-efficiency", action="store_true", help="do not measure engine efficiency first")
+    ap.add_argument("--nice", type=int, default=None,
+                    help="nice value for the servers and this client (e.g. -10 on a shared machine; negative needs root)")
     a = ap.parse_args(argv)
     configs = [c.strip() for c in a.configs.split(",") if c.strip()]
     unknown = [c for c in configs if c not in CONFIGS]
@@ -170,7 +172,11 @@ def compare_main(argv: list[str]) -> int:
     slo = SLO(a.slo_ttft_ms, a.slo_tpot_ms)
     settings = ServerSettings(model=a.model, kv_cache_mb=a.kv_cache_mb, block_size=a.block_size, max_num_seqs=a.max_num_seqs,
                               max_num_batched_tokens=a.max_num_batched_tokens, colocated_cpus=a.colocated_cpus,
-                              prefill_cpus=a.prefill_cpus, decode_cpus=a.decode_cpus)
+                              prefill_cpus=a.prefill_cpus, decode_cpus=a.decode_cpus, nice=a.nice)
+    if a.nice is not None:
+        from splitserve.bench.pin import set_nice
+
+        set_nice(a.nice)
     print(f"workload: {workload_line(workload)}\narrivals: {arrival}\nconfigs: {', '.join(configs)}", flush=True)
     efficiency_md = ""
     if not a.skip_efficiency:
@@ -190,7 +196,7 @@ def compare_main(argv: list[str]) -> int:
     extra = "\n".join(["## Targets", *(f"- {t}" for t in target_lines), "", "## CPU use during each run (other processes = foreign)",
                        *cpu_lines, "", "## Server commands", *cmd_lines, "", efficiency_md])
     header = {**_header(a, workload, arrival), "configs": configs, "chunked_budget_tokens": a.max_num_batched_tokens,
-              "colocated_cpus": a.colocated_cpus, "prefill_cpus": a.prefill_cpus, "decode_cpus": a.decode_cpus}
+              "colocated_cpus": a.colocated_cpus, "prefill_cpus": a.prefill_cpus, "decode_cpus": a.decode_cpus, "nice": a.nice}
     out = Path(a.out) if a.out else _default_out(f"compare-{workload.name}")
     paths = write_results(out, workload, results, header, extra)
     print("\n" + comparison_table(results) + "\n")

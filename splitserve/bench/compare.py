@@ -47,6 +47,7 @@ class ServerSettings:
     prefill_cpus: str = "0"
     decode_cpus: str = "1"
     host: str = "127.0.0.1"
+    nice: int | None = None  # nice value of every server process (None: inherit)
 
 
 def _env() -> dict[str, str]:
@@ -72,24 +73,34 @@ def build_config(config: str, s: ServerSettings) -> tuple[Cluster, str]:
                 "--http-port", str(http_port), "--grpc-port", str(grpc_port)]
         if config == "colocated-chunked":
             argv += ["--enable-chunked-prefill", "--max-num-batched-tokens", str(s.max_num_batched_tokens)]
-        child = Child("colocated", pinned(s.colocated_cpus, argv), f"http://{s.host}:{http_port}/health")
+        child = Child("colocated", pinned(s.colocated_cpus, argv, s.nice), f"http://{s.host}:{http_port}/health")
         return Cluster([child], _env()), f"http://{s.host}:{http_port}"
     if config == "disaggregated":
         cluster, http_port, _ = build_cluster(model=s.model, num_prefill=1, num_decode=1, host=s.host, http_port=0,
                                               grpc_port=0, worker_args=[*engine[2:], "--torch-threads", "1"], env=_env())
+        everywhere = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
         for child in cluster.children:
             if child.name.startswith("prefill"):
-                child.argv = pinned(s.prefill_cpus, child.argv)
+                child.argv = pinned(s.prefill_cpus, child.argv, s.nice)
             elif child.name.startswith("decode"):
-                child.argv = pinned(s.decode_cpus, child.argv)
+                child.argv = pinned(s.decode_cpus, child.argv, s.nice)
+            elif s.nice is not None:  # the router floats, like the benchmark client
+                child.argv = pinned(everywhere, child.argv, s.nice)
         return cluster, f"http://{s.host}:{http_port}"
     raise ValueError(f"unknown configuration {config!r}; known: {', '.join(CONFIGS)}")
 
 
 def command_lines(cluster: Cluster) -> list[str]:
-    return [" ".join(c.argv[c.argv.index("splitserve.cli") - 1:] if "splitserve.cli" in c.argv else c.argv)
-            .replace("-m splitserve.cli", "splitserve") + (f"   [pinned to CPUs {c.argv[3]}]" if "splitserve.bench.pin" in c.argv else "")
-            for c in cluster.children]
+    lines = []
+    for c in cluster.children:
+        cmd = " ".join(c.argv[c.argv.index("splitserve.cli") + 1:] if "splitserve.cli" in c.argv else c.argv)
+        if "splitserve.bench.pin" in c.argv:
+            pin = c.argv[c.argv.index("splitserve.bench.pin") + 1: c.argv.index("--")]
+            cmd = f"taskset -c {pin[0]} " + (f"nice -n {pin[1]} " if len(pin) > 1 else "") + "splitserve " + cmd
+        else:
+            cmd = "splitserve " + cmd
+        lines.append(cmd)
+    return lines
 
 
 def warmup_specs(workload: Workload, n: int = 3) -> list[RequestSpec]:
