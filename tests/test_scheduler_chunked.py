@@ -61,6 +61,19 @@ def test_decodes_share_each_step_with_a_prompt_chunk():
     bm.check_integrity()
 
 
+def test_decodes_go_before_prompt_chunks_whatever_their_order_in_running():
+    s, bm = make(budget=8, num_blocks=64)
+    s.add(seq("long", 40))
+    assert step(s)[0] == {"long": 8}
+    d = seq("d", 3, max_tokens=50, mode=SeqMode.DECODE_PREFILLED)  # joins `running` behind the partial prompt
+    d.output_token_ids, d.block_table, d.num_computed_tokens = [7], bm.allocate(1), 3
+    s.add(d)
+    assert [x.request_id for x in s.running] == ["long", "d"]
+    for _ in range(3):
+        plan, _, _ = step(s)
+        assert plan == {"d": 1, "long": 7}  # the decode is never starved by the chunk
+
+
 def test_budget_limits_admission_and_max_num_seqs_is_respected():
     s, bm = make(budget=8, max_num_seqs=2)
     for rid in ("a", "b", "c"):

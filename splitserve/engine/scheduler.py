@@ -7,8 +7,8 @@ between steps and finished ones leave and free their KV blocks. When the KV pool
 decode the most recently admitted request is preempted (blocks freed, recomputed later).
 
 Chunked prefill (``chunked_prefill=True``, Sarathi-Serve / vLLM v1 style): every step has a budget
-of ``max_num_batched_tokens`` tokens. Running requests come first (one token per decode, the next
-chunk of a partly prefilled prompt), then waiting requests are admitted with a chunk of their prompt
+of ``max_num_batched_tokens`` tokens. Running requests come first (one token per decode, then the
+next chunk of each partly prefilled prompt), then waiting requests are admitted with a chunk of their prompt
 as long as budget is left. A long prompt therefore shares each step with the running decodes
 instead of stalling them for its whole prefill. KV blocks for the whole prompt are reserved at
 admission, as in the unchunked path, so a chunked prompt never has to be preempted for its own
@@ -117,7 +117,7 @@ class Scheduler:
     def _schedule_chunked(self) -> tuple[list[Sequence], bool]:
         budget = self.config.max_num_batched_tokens
         scheduled: list[Sequence] = []
-        pending = list(self.running)
+        pending = sorted(self.running, key=lambda s: s.num_new_tokens > 1)  # decodes first, then prompt chunks
         while pending and budget > 0:
             seq = pending.pop(0)
             n = min(seq.num_new_tokens, budget)
