@@ -1,4 +1,4 @@
-"""The `splitserve` command: up | prefill | decode | router | colocated | generate."""
+"""The `splitserve` command: up | prefill | decode | router | colocated | generate | bench."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ commands:
   kvstore-node    run a KV store storage node (a memory segment served over UCX)
   colocated  serve prefill and decode in one process (reference / baseline)
   generate   stream a completion from a running router over gRPC
+  bench      benchmark an endpoint; `bench compare` colocated vs disaggregated; `bench efficiency`
 
 `splitserve <command> --help` shows each command's options.
 """
@@ -166,6 +167,8 @@ def main(argv: list[str] | None = None) -> None:
         from splitserve.services.kvstore.master.main import main as run
     elif command == "kvstore-node":
         from splitserve.services.kvstore.node.main import main as run
+    elif command == "bench":
+        from splitserve.bench.cli import main as run
     else:
         print(f"unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
         sys.exit(2)

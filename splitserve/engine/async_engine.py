@@ -28,7 +28,8 @@ class EngineConfig:
     block_size: int = 16  # tokens per KV block
     kv_cache_mb: int = 256  # size of the preallocated KV pool, MiB
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 4096
+    max_num_batched_tokens: int = 4096  # prompt tokens per prefill batch; with chunking, tokens per step
+    enable_chunked_prefill: bool = False  # Sarathi-style: decodes + prompt chunks share each step
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.kv_cache_mb < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
@@ -52,7 +53,11 @@ class AsyncEngine:
         self.kv_cache = self.layout.allocate_cache(num_blocks)
         self.block_manager = BlockManager(num_blocks)
         sched = Scheduler(
-            SchedulerConfig(config.block_size, config.max_num_seqs, max(config.max_num_batched_tokens, self.max_model_len), self.max_model_len),
+            SchedulerConfig(
+                config.block_size, config.max_num_seqs,
+                config.max_num_batched_tokens if config.enable_chunked_prefill else max(config.max_num_batched_tokens, self.max_model_len),
+                self.max_model_len, chunked_prefill=config.enable_chunked_prefill,
+            ),
             self.block_manager,
             lm.eos_token_ids,
         )

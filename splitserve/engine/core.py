@@ -136,12 +136,13 @@ class EngineCore:
                 fut.set_exception(exc)
 
     def _step(self) -> None:
-        seqs, is_prefill = self.scheduler.schedule()
+        seqs, _ = self.scheduler.schedule()
         if not seqs:
             if self.scheduler.waiting and not self.scheduler.running:
                 self._reject_unschedulable()
             return
-        num_new = sum(s.num_new_tokens for s in seqs)
+        num_prefill = sum(s.num_step_tokens for s in seqs if s.num_computed_tokens < len(s.prompt_token_ids))
+        num_decode = sum(s.num_step_tokens for s in seqs) - num_prefill
         try:
             token_ids = self.runner.execute(seqs)
         except Exception as exc:
@@ -149,13 +150,12 @@ class EngineCore:
             self._fail(seqs, exc)
             return
         self.num_steps += 1
-        if is_prefill:
-            self.num_prefill_tokens += num_new
-        else:
-            self.num_decode_tokens += num_new
+        self.num_prefill_tokens += num_prefill
+        self.num_decode_tokens += num_decode
+        sampled = [(s, t) for s, t in zip(seqs, token_ids) if not s.is_partial_prefill]  # chunks sample nothing
         finished = {id(s) for s in self.scheduler.postprocess(seqs, token_ids)}
         outputs = []
-        for seq, token_id in zip(seqs, token_ids):
+        for seq, token_id in sampled:
             done = id(seq) in finished
             out = RequestOutput(seq.request_id, [token_id], seq.finish_reason if done else None, cached_tokens=seq.cached_tokens)
             if done and seq.mode is SeqMode.PREFILL_ONLY:

@@ -4,7 +4,8 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/model
 ``GET /health`` (200 when ``backend.ready()``, else 503).
 
 Streaming uses SSE: ``data: {json}\\n\\n`` events ending with ``data: [DONE]``; with
-``stream_options.include_usage`` a last chunk carries usage and empty choices. The first
+``stream_options.include_usage`` a last chunk carries usage and empty choices (with vLLM's
+``continuous_usage_stats`` every chunk also carries the usage so far). The first
 pipeline delta is produced before the response starts, so backend errors raised up to
 then (admission, capacity, prefill) get a real HTTP status and OpenAI error body; an
 error after streaming started becomes an SSE ``data: {"error": {...}}`` event followed by
@@ -143,7 +144,7 @@ class _OpenAIServer:
             await _aclose(deltas)
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         if req.stream:
-            events = _sse_events(deltas, first, fmt, len(prompt_ids), req.include_usage)
+            events = _sse_events(deltas, first, fmt, len(prompt_ids), req.include_usage, req.continuous_usage)
             return SSEResponse(events, headers=headers)
         try:
             finished, outcome = await cancel_on_disconnect(request.receive, lambda: _collect(deltas, first))
@@ -168,7 +169,8 @@ async def _collect(deltas: AsyncIterator[TextDelta], first: TextDelta) -> Outcom
 
 
 async def _sse_events(
-    deltas: AsyncGenerator[TextDelta, None], first: TextDelta, fmt: ResponseFormatter, prompt_tokens: int, include_usage: bool
+    deltas: AsyncGenerator[TextDelta, None], first: TextDelta, fmt: ResponseFormatter, prompt_tokens: int, include_usage: bool,
+    continuous_usage: bool = False,
 ) -> AsyncGenerator[str, None]:
     """SSE event strings for one streamed request; always ends with ``[DONE]``."""
     outcome = Outcome()
@@ -178,7 +180,7 @@ async def _sse_events(
         delta: TextDelta | None = first
         while delta is not None:
             outcome.add(delta)
-            for chunk in fmt.delta_chunks(delta):
+            for chunk in fmt.delta_chunks(delta, outcome.usage(prompt_tokens) if continuous_usage else None):
                 yield sse_event(chunk)
             if delta.finish_reason is not None:
                 break
