@@ -110,11 +110,15 @@ class DisaggregatedBackend:
             yield TokenEvent([resp.first_token_id], None, resp.cached_tokens)
             async for msg in call:
                 started = True
-                yield TokenEvent(list(msg.token_ids), FINISH_FROM_PROTO[msg.finish_reason], msg.cached_tokens)
+                finish = FINISH_FROM_PROTO[msg.finish_reason]
+                if finish is not None:  # let the stream end by itself: a cancel here would race its OK status
+                    await asyncio.wait([asyncio.ensure_future(call.code())], timeout=1.0)
+                yield TokenEvent(list(msg.token_ids), finish, msg.cached_tokens)
         except grpc.aio.AioRpcError as exc:
             raise error_from_rpc(exc, f"decode worker {decode.address}") from exc
         finally:
-            call.cancel()
+            if not call.done():
+                call.cancel()
             if not started:
                 await self._release(prefill, resp.kv_handle.transfer_id)
 

@@ -186,8 +186,19 @@ class AsyncEngine:
         return self._stream(seq)
 
     async def allocate_blocks(self, num_blocks: int) -> list[int]:
-        """Reserve KV blocks (e.g. to receive a transfer into). Raises CapacityExhausted."""
-        return await asyncio.wrap_future(self.core.allocate(num_blocks))
+        """Reserve KV blocks (e.g. to receive a transfer into). Raises CapacityExhausted.
+
+        Cancel-safe: blocks allocated for a caller that was cancelled meanwhile are freed."""
+        fut = self.core.allocate(num_blocks)
+        try:
+            return await asyncio.shield(asyncio.wrap_future(fut))
+        except asyncio.CancelledError:
+            fut.add_done_callback(self._free_if_allocated)
+            raise
+
+    def _free_if_allocated(self, fut) -> None:
+        if not fut.cancelled() and fut.exception() is None:
+            self.core.free(fut.result())
 
     def free_blocks(self, block_ids: list[int]) -> None:
         self.core.free(block_ids)

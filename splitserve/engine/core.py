@@ -105,7 +105,10 @@ class EngineCore:
         except queue.Empty:
             return
         while item is not None:
-            self._apply(item)
+            try:
+                self._apply(item)
+            except Exception:  # a bad command (e.g. a double free) is that caller's bug, not every request's
+                logger.exception("engine command %s failed", item[0])
             try:
                 item = self._commands.get_nowait()
             except queue.Empty:
@@ -124,12 +127,16 @@ class EngineCore:
             self.block_manager.incref(arg)
         elif kind == "allocate":
             num_blocks, fut = arg
+            if not fut.set_running_or_notify_cancel():  # the caller gave up before we got to it
+                return
             try:
                 fut.set_result(self.block_manager.allocate(num_blocks))
             except Exception as exc:
                 fut.set_exception(exc)
         elif kind == "call":
             fn, fut = arg
+            if not fut.set_running_or_notify_cancel():
+                return
             try:
                 fut.set_result(fn())
             except Exception as exc:

@@ -123,9 +123,10 @@ class _Posted:
 
     __slots__ = ("_uep", "_worker", "requests", "futures", "_buffers")
 
-    # ucxx hands each request a future from a pool of 100 that its notifier thread refills (to 100 when
-    # below 50); posting more than 100 at once empties it and ucxx warns on every further request.
-    _REFILL_EVERY = 20
+    # ucxx hands each request a future from a pool that its notifier thread refills about once per
+    # completion batch; many transfers posting at once (150 concurrent requests) emptied it, and ucxx's
+    # emergency refill from inside getFuture() then failed and aborted the process. So the pool is topped
+    # up before every post, on the loop thread (a cheap no-op while it is full enough).
 
     def __init__(self, ep) -> None:
         from ucxx._lib.libucxx import UCXCloseError  # noqa: PLC0415
@@ -142,8 +143,7 @@ class _Posted:
         self._buffers: list = []
 
     def _refill(self) -> None:
-        if len(self.requests) % self._REFILL_EVERY == self._REFILL_EVERY - 1:
-            self._worker.populate_python_futures_pool()
+        self._worker.populate_python_futures_pool()
 
     def _add(self, req, buf) -> asyncio.Future:
         fut = req.future
