@@ -41,23 +41,25 @@ def _root(buf: np.ndarray) -> np.ndarray:
     return buf
 
 
-def _addr(buf: np.ndarray) -> int:
-    return buf.__array_interface__["data"][0]
-
-
 def merge_ranges(ranges: list[Range]) -> list[Range]:
     """Merge neighbours that are adjacent both in the segment and in local memory (views of one 1-D uint8
     array, e.g. consecutive KV blocks of an engine's cache) into one range: one UCX message each."""
-    out: list[Range] = []
+    runs: list[list] = []  # [offset, nbytes, root or None, start address in root, original buffer]
     for offset, buf in ranges:
-        if out and buf.ndim == 1 and buf.dtype == np.uint8 and buf.flags.c_contiguous:
-            prev_off, prev = out[-1]
-            root = _root(buf)
-            if (prev_off + prev.nbytes == offset and _root(prev) is root and root.ndim == 1 and root.dtype == np.uint8
-                    and root.flags.c_contiguous and _addr(prev) + prev.nbytes == _addr(buf)):
-                start = _addr(prev) - _addr(root)
-                out[-1] = (prev_off, root[start : start + prev.nbytes + buf.nbytes])
+        root = _root(buf)
+        mergeable = root.ndim == 1 and root.dtype == np.uint8 and root.flags.c_contiguous and buf.flags.c_contiguous
+        addr = buf.__array_interface__["data"][0] if mergeable else 0
+        if runs and mergeable:
+            last = runs[-1]
+            if last[2] is root and last[0] + last[1] == offset and last[3] + last[1] == addr:
+                last[1] += buf.nbytes
                 continue
+        runs.append([offset, buf.nbytes, root if mergeable else None, addr, buf])
+    out: list[Range] = []
+    for offset, nbytes, root, addr, buf in runs:
+        if root is not None and nbytes != buf.nbytes:
+            start = addr - root.__array_interface__["data"][0]
+            buf = root[start : start + nbytes]
         out.append((offset, buf))
     return out
 
