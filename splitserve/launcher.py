@@ -170,12 +170,15 @@ def store_children(host: str, num_nodes: int, master_args: list[str] | None = No
     "node-<i>") on free ports. Returns (children, master gRPC address)."""
     py = [sys.executable, "-m", "splitserve.cli"]
     master = f"{host}:{free_port(host)}"
+    mport = free_port(host)
     children = [Child("kvstore-master", [*py, "kvstore-master", "--host", host, "--port", master.rpartition(":")[2],
-                                         *(master_args or [])], f"grpc:{master}")]
+                                         "--metrics-port", str(mport), *(master_args or [])], f"grpc:{master}",
+                      f"http://{host}:{mport}/metrics")]
     for i in range(num_nodes):
-        port = free_port(host)
+        port, mport = free_port(host), free_port(host)
         children.append(Child(f"kvstore-node-{i}", [*py, "kvstore-node", "--master", master, "--node-id", f"node-{i}",
-                                                    "--host", host, "--port", str(port), *(node_args or [])], f"grpc:{host}:{port}"))
+                                                    "--host", host, "--port", str(port), "--metrics-port", str(mport),
+                                                    *(node_args or [])], f"grpc:{host}:{port}", f"http://{host}:{mport}/metrics"))
     return children, master
 
 

@@ -7,6 +7,7 @@ Prometheus text parser.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import signal
@@ -74,7 +75,11 @@ REQUEST_TREE = {  # (name, kind, service) -> its parent
 
 def check_request_tree(receiver, request):
     """Wait for the whole trace of one request and check every parent link."""
-    spans = in_trace(receiver.wait_for(lambda ss: len(in_trace(ss, request.trace_id)) >= len(REQUEST_TREE) + 2), request.trace_id)
+    def complete(ss):  # every span of the tree has arrived (store calls add more spans, so not a count)
+        mine = in_trace(ss, request.trace_id)
+        return all(any(s.name == n and s.kind == k and s.service == v for s in mine) for n, k, v in REQUEST_TREE)
+
+    spans = in_trace(receiver.wait_for(complete), request.trace_id)
     for (name, kind, service), parent in REQUEST_TREE.items():
         child = one(spans, name, kind, service)
         parent_span = request if parent == "request" else one(spans, *parent)
@@ -164,7 +169,7 @@ def value(values: dict, name: str, **labels) -> float:
 async def test_metrics_of_every_service_parse_and_move(traced):
     _, base_url, _, cluster = traced
     urls = {c.name: c.metrics for c in cluster.children}
-    assert set(urls) == {"prefill-0", "decode-0", "router"}
+    assert set(urls) == {"prefill-0", "decode-0", "router", "kvstore-master", "kvstore-node-0"}
     before = {name: metric_values(url) for name, url in urls.items()}
     body = {"model": MODEL, "prompt": "One day a little bird flew over the big green hill and sang", "max_tokens": 10,
             "temperature": 0, "ignore_eos": True}
@@ -196,6 +201,17 @@ async def test_metrics_of_every_service_parse_and_move(traced):
     names = {service: {n for n, _ in values} for service, values in after.items()}
     assert "splitserve:request_decode_time_seconds_count" not in names["router"]  # each shows its own metrics
     assert "splitserve:time_to_first_token_seconds_count" not in names["decode-0"]
+    # the KV store: the prompt's full blocks were written (master puts, node bytes) and looked up first
+    full_blocks = prompt_tokens // BLOCK
+    for _ in range(100):  # the store writes happen in the background, after the first token
+        if moved("kvstore-master", "splitserve:kv_store_puts_completed_total") >= full_blocks:
+            break
+        await asyncio.sleep(0.05)
+        after = {name: metric_values(url) for name, url in urls.items()}
+    assert moved("kvstore-master", "splitserve:kv_store_puts_completed_total") == full_blocks
+    assert value(after["kvstore-master"], "splitserve:kv_store_capacity_bytes") > 0
+    assert moved("kvstore-node-0", "splitserve:kv_store_node_ucx_bytes_written_total") == full_blocks * kv_bytes // -(-prompt_tokens // BLOCK)
+    assert any(n.startswith("splitserve:kv_store_client_") for n in names["prefill-0"])
 
 
 async def test_decode_worker_killed_mid_stream_ends_the_router_spans_with_errors(traced):
@@ -242,7 +258,7 @@ def test_up_trace_wires_every_process_and_prints_metrics_endpoints():
             out = "".join(lines)
             assert f"OTLP to {receiver.endpoint}" in out, out
             urls = [w for line in lines for w in line.split() if w.endswith("/metrics")]
-            assert len(urls) == 3 and f"http://127.0.0.1:{http_port}/metrics" in urls, out
+            assert len(urls) == 5 and f"http://127.0.0.1:{http_port}/metrics" in urls, out  # router, 2 workers, store master + node
             r = httpx.post(f"http://127.0.0.1:{http_port}/v1/completions",
                            json={"model": MODEL, "prompt": "Once upon a time", "max_tokens": 4, "temperature": 0}, timeout=60)
             assert r.status_code == 200

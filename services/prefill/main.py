@@ -16,6 +16,7 @@ from splitserve.logs import setup_logging
 from splitserve.model import load_model
 from splitserve.rpc.server import bind, create_server, set_serving, stop_event_on_signals
 from splitserve.telemetry.exposition import start_worker_metrics
+from splitserve.telemetry.stats_collector import register_stats
 from splitserve.telemetry.tracing import setup_tracing
 from splitserve.transfer import create_sender
 
@@ -40,6 +41,8 @@ async def serve(config: PrefillConfig) -> None:
     await server.start()
     held = {"splitserve:kv_leases_held": ("KV transfers held for a decode worker to pull.", lambda: len(servicer.leases))}
     metrics = start_worker_metrics("prefill", engine, config.host, config.metrics_port, gauges=held)
+    if store is not None:  # prefix lookups (hits/misses), cached tokens, store bytes: the KV store client's side
+        register_stats("kv_store_client", store.stats, {"kvstore_writes_in_flight"}, doc="KV store client (prefill)")
     await set_serving(health, [SERVICE])
     logger.info(
         "prefill worker ready: grpc %s:%d, kv data %s (%s), model %s, %d KV blocks of %d tokens, kv store %s (%s transfer), metrics %s",

@@ -20,6 +20,7 @@ from splitserve.errors import ChecksumMismatch, LeaseExpired, ObjectNotReady, Pd
 from splitserve.kvstore.block_hash import BlockHasher
 from splitserve.kvstore.client import KVStoreClient, ObjectLocation, PutReport, PutTicket
 from splitserve.transfer.common import byte_view
+from splitserve.telemetry.store import observe_store_op, record_lookup
 from splitserve.transfer.layout import KVLayout
 
 logger = logging.getLogger("splitserve.kvstore")
@@ -73,6 +74,7 @@ class KVBlockStore:
                 break
             hits.append(r)
         self.counters["hit_blocks"] += len(hits)
+        record_lookup(len(hits), len(keys) - len(hits))
         return hits
 
     async def wait_prefix(self, keys: list[str], timeout_s: float) -> list[ObjectLocation]:
@@ -108,12 +110,14 @@ class KVBlockStore:
         and verified (blocks after the first failure must be recomputed)."""
         if not locations:
             return 0
-        errors = await self.client.read(locations, [self.block(b) for b in block_ids])
-        n = 0
-        for err in errors:
-            if err is not None:
-                break
-            n += 1
+        with observe_store_op("get", len(locations)) as obs:
+            errors = await self.client.read(locations, [self.block(b) for b in block_ids])
+            n = 0
+            for err in errors:
+                if err is not None:
+                    break
+                n += 1
+            obs.nbytes = n * self.block_nbytes
         for loc, err in zip(locations[n:], errors[n:]):
             if err is None:
                 continue
@@ -131,7 +135,9 @@ class KVBlockStore:
 
     async def finish_save(self, keys: list[str], tickets: list[PutTicket | PdError], block_ids: list[int]) -> PutReport:
         """Write the blocks of the open tickets and publish them (PutEnd), revoking what failed."""
-        report = await self.client.finish_put(keys, tickets, [self.block(b) for b in block_ids])
+        with observe_store_op("put", len(keys)) as obs:
+            report = await self.client.finish_put(keys, tickets, [self.block(b) for b in block_ids])
+            obs.nbytes = len(report.written) * self.block_nbytes
         self._count(report)
         return report
 

@@ -87,7 +87,7 @@ def register_engine(engine, registry: CollectorRegistry = REGISTRY, gauges: dict
     return collector
 
 
-WORKER_GROUPS = {"prefill": ("prefill", "transfer"), "decode": ("decode", "transfer")}
+WORKER_GROUPS = {"prefill": ("prefill", "transfer", "store"), "decode": ("decode", "transfer", "store")}
 
 
 def start_worker_metrics(role: str, engine, host: str, port: int, gauges=None) -> MetricsServer | None:

@@ -18,6 +18,9 @@ SERVICE = kvstore_pb2.DESCRIPTOR.services_by_name["KVStoreNodeService"].full_nam
 
 
 async def serve(config: NodeConfig) -> None:
+    from splitserve.telemetry.exposition import start_metrics_server  # noqa: PLC0415
+    from splitserve.telemetry.stats_collector import register_stats  # noqa: PLC0415
+
     segment = SegmentServer(config.segment_mb * 2**20, host=config.data_host, port=config.data_port, io_timeout_s=config.io_timeout_s)
     await segment.start()
     channel = insecure_channel(config.master)
@@ -27,6 +30,8 @@ async def serve(config: NodeConfig) -> None:
     kvstore_pb2_grpc.add_KVStoreNodeServiceServicer_to_server(KVStoreNodeServicer(segment, membership), server)
     port = bind(server, config.host, config.port)
     await server.start()
+    register_stats("kv_store_node", lambda: {f"ucx_{k}": v for k, v in segment.stats.as_dict().items()}, doc="KV store node")
+    metrics = start_metrics_server(config.host, config.metrics_port)
     heartbeats = asyncio.create_task(membership.run())
     stop = stop_event_on_signals()
     try:
@@ -44,6 +49,8 @@ async def serve(config: NodeConfig) -> None:
         await server.stop(grace=1)
         await channel.close()
         await segment.close()
+        if metrics:
+            metrics.close()
 
 
 def main(argv: list[str] | None = None) -> None:
