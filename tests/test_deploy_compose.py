@@ -194,3 +194,19 @@ def test_healthcheck_module_reports_unreachable_targets():
     assert main(["grpc:127.0.0.1:1"]) == 1
     assert main(["http://127.0.0.1:1/health"]) == 1
     assert main(["nonsense"]) == 2
+
+
+def test_every_pd_variable_is_in_the_configuration_reference():
+    import re
+
+    used = set()
+    for folder in ("splitserve", "services"):
+        for path in (ROOT / folder).rglob("*.py"):
+            used |= set(re.findall(r"""["'](PD_[A-Z0-9_]+)["']""", path.read_text()))
+    readme = (ROOT / "README.md").read_text()
+    table = readme.split("## Configuration reference", 1)[1].split("\n## ", 1)[0]
+    documented = set(re.findall(r"`(PD_[A-Z0-9_]+)`", table))
+    assert used - documented == set(), "undocumented PD_* variables (README: Configuration reference)"
+    compose_vars = {k for svc in yaml.safe_load(COMPOSE.read_text())["services"].values()
+                    for k in svc.get("environment", {}) if k.startswith("PD_")}
+    assert compose_vars <= used, f"compose sets variables nothing reads: {compose_vars - used}"

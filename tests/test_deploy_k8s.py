@@ -118,3 +118,14 @@ def test_gpu_overlay_patch_applies(resources):
             patched = jsonpatch.apply_patch(copy.deepcopy(t), yaml.safe_load(entry["patch"]))
             kubernetes_validate.validate(patched, K8S_VERSION, strict=True)
             assert patched["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
+
+
+def test_every_variable_set_is_read_by_someone(resources):
+    used = set()
+    for folder in ("splitserve", "services"):
+        for path in (K8S.parents[1] / folder).rglob("*.py"):
+            used |= set(re.findall(r"""["'](PD_[A-Z0-9_]+)["']""", path.read_text()))
+    set_vars = set()
+    for w in workloads(resources).values():
+        set_vars |= {k for k in pod_env(resources, w["spec"]["template"]["spec"]["containers"][0]) if k.startswith("PD_")}
+    assert set_vars <= used, f"manifests set variables nothing reads: {set_vars - used}"
