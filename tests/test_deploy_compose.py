@@ -196,6 +196,50 @@ def test_healthcheck_module_reports_unreachable_targets():
     assert main(["nonsense"]) == 2
 
 
+def test_healthcheck_module_sees_serving_grpc_and_http():
+    import http.server
+    import threading
+    from concurrent import futures
+
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    from splitserve.healthcheck import healthy
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            self.send_response(200 if self.path == "/health" else 503)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        assert not healthy(f"grpc:127.0.0.1:{port}")
+        servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        assert healthy(f"grpc:127.0.0.1:{port}")
+        assert healthy(f"http://127.0.0.1:{httpd.server_port}/health")
+        assert not healthy(f"http://127.0.0.1:{httpd.server_port}/other")
+    finally:
+        httpd.shutdown()
+        server.stop(0)
+
+
+def test_healthcheck_does_not_import_torch():
+    out = subprocess.run([sys.executable, "-c", "import sys, splitserve.healthcheck; print('torch' in sys.modules)"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "False", out.stderr
+
+
 def test_every_pd_variable_is_in_the_configuration_reference():
     import re
 
