@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install up test test-fast bench-transfer bench-kvstore bench-tracing protos check-protos clean
+.PHONY: install up test test-fast bench-transfer bench-kvstore bench-tracing protos check-protos clean image
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -39,3 +39,8 @@ protos: install
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# container image (Dockerfile; CUDA torch: make image TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128)
+TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cpu
+image:
+	docker build --build-arg TORCH_INDEX_URL=$(TORCH_INDEX_URL) -t splitserve:latest .
