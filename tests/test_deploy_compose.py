@@ -124,7 +124,7 @@ def test_prometheus_scrapes_every_metrics_endpoint(compose):
         cmd, cfg = parse_service(svc)
         if cmd == "router":
             expected.add(f"{name}:{cfg.http_port}")
-        elif cmd in ("prefill", "decode"):
+        elif cmd in ("prefill", "decode", "kvstore-master", "kvstore-node"):
             assert cfg.metrics_port > 0, f"{name}: needs a fixed --metrics-port to be scraped"
             expected.add(f"{name}:{cfg.metrics_port}")
     assert targets == expected
