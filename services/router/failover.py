@@ -137,7 +137,6 @@ class RoutedBackend(DisaggregatedBackend):
                 yield TokenEvent([resp.first_token_id], finish or "stop", resp.cached_tokens)
                 return
             DISAGG_DECISIONS.labels("remote_prefill").inc()
-            yield TokenEvent([resp.first_token_id], None, resp.cached_tokens)
             req = decode_pb2.DecodeRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
                                            kv_handle=resp.kv_handle, first_token_id=resp.first_token_id)
         else:
@@ -146,6 +145,8 @@ class RoutedBackend(DisaggregatedBackend):
         local = resp is None
         started = False
         try:
+            if not local:  # inside the try: a client gone after the first token still releases the KV
+                yield TokenEvent([resp.first_token_id], None, resp.cached_tokens)
             while True:
                 t0 = time.monotonic()
                 d = decode

@@ -66,8 +66,8 @@ class LeastLoaded(Policy):
             return workers[0]
         a, b = self.rng.sample(list(workers), 2)
         la, lb = load_of(a), load_of(b)
-        if la == lb:
-            return a if a.picks <= b.picks else b
+        if la == lb:  # already a random pair: either is fine
+            return a
         return a if la < lb else b
 
 
