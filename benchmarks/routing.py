@@ -97,8 +97,14 @@ async def run(base: str, specs: list[RequestSpec], concurrency: int):
     warm = [RequestSpec(index=i, prompt_token_ids=s.prompt_token_ids[:32] + [7, 8, 9, i], max_tokens=4, kind="warm")
             for i, s in enumerate(specs[:4])]
     await run_requests(base, model, warm, concurrency=2, progress=False)
+    before = picks(base)
     records, _ = await run_requests(base, model, specs, concurrency=concurrency, progress=False)
-    return records
+    return records, before
+
+
+async def run_colocated(base: str, specs: list[RequestSpec], concurrency: int):
+    model = httpx.get(base + "/v1/models", timeout=5).json()["data"][0]["id"]
+    return (await run_requests(base, model, specs, concurrency=concurrency, progress=False))[0], None
 
 
 def picks(base: str) -> dict[str, int]:
@@ -126,11 +132,11 @@ def main() -> int:
         print(f"model {a.model}; 2 prefill + 2 decode workers; {a.requests} requests, concurrency {a.concurrency}\n")
         print("== policies (shared 1024-token prefixes x4 + 25% unrelated prompts; 16 output tokens) ==")
         print(f"{'policy':<14}{'TTFT p50 ms':>12}{'TTFT p99 ms':>12}{'cached %':>10}{'errors':>8}   picks per worker")
-        for policy in ("round_robin", "least_loaded", "prefix_aware"):
+        for k, policy in enumerate(("round_robin", "least_loaded", "prefix_aware")):
             proc, base = start_router(a.model, prefill, decode, "--policy", policy)
             try:
-                before = picks(base)
-                recs = asyncio.run(run(base, policy_workload(a.requests), a.concurrency))
+                # same shape, fresh tokens per policy: the KV store is shared, so no policy starts warm from another's run
+                recs, before = asyncio.run(run(base, policy_workload(a.requests, seed=10 + k), a.concurrency))
                 after = picks(base)
             finally:
                 stop(proc)
@@ -146,7 +152,7 @@ def main() -> int:
                              ("auto", ["--disagg", "auto"])):
             proc, base = start_router(a.model, prefill, decode, "--policy", "least_loaded", *flags)
             try:
-                recs = asyncio.run(run(base, mixed, a.concurrency))
+                recs, _ = asyncio.run(run(base, mixed, a.concurrency))
                 view = httpx.get(base + "/v1/workers", timeout=5).json()["disaggregation"]
             finally:
                 stop(proc)
@@ -172,7 +178,7 @@ def main() -> int:
             if time.monotonic() > deadline:
                 raise RuntimeError("colocated server not ready")
             time.sleep(0.3)
-        recs = asyncio.run(run(base, mixed, a.concurrency))
+        recs, _ = asyncio.run(run_colocated(base, mixed, a.concurrency))
     finally:
         stop(colo)
     short = [r.ttft_s * 1e3 for r in recs if r.ok and r.kind == "short"]

@@ -99,7 +99,7 @@ class WorkerRegistry:
         ValueError: no prefill or no decode address, or a non-positive interval/limit.
     """
 
-    def __init__(self, prefill: list[str], decode: list[str], *, poll_interval_s: float = 1.0, poll_timeout_s: float = 1.0,
+    def __init__(self, prefill: list[str], decode: list[str], *, poll_interval_s: float = 1.0, poll_timeout_s: float = 2.0,
                  miss_limit: int = 2, clock: Callable[[], float] = time.monotonic) -> None:
         if not prefill or not decode:
             raise ValueError("need at least one prefill and one decode worker address")
