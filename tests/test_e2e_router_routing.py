@@ -229,3 +229,28 @@ def test_killed_prefill_worker_fails_nothing_goes_down_and_comes_back(rcluster):
     for i in range(4):
         assert _complete(base, _prompt(40, 40000 + i))["status"] == 200
     assert _delta(_picks(base), before, cluster, "prefill") == [2, 2]
+
+
+def test_decode_worker_killed_mid_stream_ends_the_stream_with_an_error(rcluster):
+    """Last: kills a decode worker while it streams; the SSE stream gets an error event and [DONE], no hang."""
+    cluster, base = rcluster
+    body = {"model": _model_name(base), "prompt": _prompt(30, 50000), "max_tokens": 3000, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    events, t0 = [], time.monotonic()
+    with httpx.stream("POST", base + "/v1/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        for line in lines:
+            if line.startswith("data: ") and len(events) < 3:
+                events.append(line)
+                if len(events) == 3:
+                    busy = [w["address"] for w in _workers(base)["workers"] if w["role"] == "decode" and w["load"]["inflight_requests"]]
+                    assert len(busy) == 1, busy
+                    victim = next(c for c in cluster.children if c.name.startswith("decode") and grpc_address(cluster, c.name) == busy[0])
+                    victim.proc.send_signal(signal.SIGKILL)
+                continue
+            if line.startswith("data: "):
+                events.append(line)
+    assert time.monotonic() - t0 < 30
+    assert events[-1] == "data: [DONE]"
+    assert any('"error"' in e for e in events[-3:]), events[-3:]
+    victim.proc.wait()
