@@ -50,6 +50,10 @@ def _up(argv: list[str]) -> int:
     ap.add_argument("--store-replicas", type=int, default=int(env("PD_KVSTORE_REPLICAS", "1")), help="copies per object on distinct nodes")
     ap.add_argument("--kv-transfer-mode", default=env("PD_KV_TRANSFER_MODE", "direct"), choices=["direct", "store"],
                     help="direct: decode pulls KV from prefill over UCX; store: through the KV store")
+    ap.add_argument("--policy", default=env("PD_ROUTING_POLICY", "round_robin"), choices=["round_robin", "least_loaded", "prefix_aware"],
+                    help="router's worker selection policy")
+    ap.add_argument("--disagg", default=env("PD_DISAGG", "always"),
+                    help="always | auto | N: prompts with < N uncached tokens are prefilled on the decode worker")
     ap.add_argument("--trace", action="store_true", help="every process exports OpenTelemetry traces over OTLP")
     ap.add_argument("--otlp-endpoint", help="OTLP endpoint for --trace (implies it); default $OTEL_EXPORTER_OTLP_ENDPOINT "
                     "or http://127.0.0.1:4317 (e.g. Jaeger all-in-one)")
@@ -69,6 +73,7 @@ def _up(argv: list[str]) -> int:
         model=a.model, num_prefill=a.prefill, num_decode=a.decode, host=a.host,
         http_port=a.http_port, grpc_port=a.grpc_port, worker_args=worker_args, env=trace_env,
         store_nodes=store_nodes, master_args=["--replicas", str(a.store_replicas)], node_args=["--segment-mb", str(a.store_mb)],
+        router_args=["--policy", a.policy, "--disagg", a.disagg],
     )
     stopping = False
 

@@ -132,6 +132,7 @@ def build_cluster(
     *, model: str, num_prefill: int = 1, num_decode: int = 1, host: str = "127.0.0.1", http_port: int = 8000,
     grpc_port: int = 50050, worker_args: list[str] | None = None, env: dict[str, str] | None = None,
     store_nodes: int = 0, master_args: list[str] | None = None, node_args: list[str] | None = None,
+    router_args: list[str] | None = None,
 ) -> tuple[Cluster, int, int]:
     """Describe a cluster; ports 0 are replaced by free ones (workers' gRPC and /metrics ports are
     always free ones). Returns (cluster, http_port, grpc_port).
@@ -158,7 +159,7 @@ def build_cluster(
             argv = [*py, role, *common, "--host", host, "--port", str(port), "--metrics-port", str(metrics_port)]
             children.append(Child(f"{role}-{i}", argv, f"grpc:{host}:{port}", f"http://{host}:{metrics_port}/metrics"))
     router = [*py, "router", "--model", model, "--host", host, "--http-port", str(http_port), "--grpc-port", str(grpc_port),
-              "--prefill", ",".join(prefill_addrs), "--decode", ",".join(decode_addrs)]
+              "--prefill", ",".join(prefill_addrs), "--decode", ",".join(decode_addrs), *(router_args or [])]
     children += store
     children.append(Child("router", router, f"http://{host}:{http_port}/health", f"http://{host}:{http_port}/metrics"))
     return Cluster(children, env or {}), http_port, grpc_port

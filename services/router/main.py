@@ -8,7 +8,7 @@ import logging
 import uvicorn
 from pd.v1 import router_pb2, router_pb2_grpc
 
-from splitserve.services.router.backend import DisaggregatedBackend
+from splitserve.services.router.routing import build_backend, workers_route
 from splitserve.services.router.config import RouterConfig, parse
 from splitserve.services.router.grpc_api import RouterServicer
 from splitserve.frontend.http_app import build_app
@@ -25,12 +25,13 @@ SERVICE = router_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name
 
 async def serve(config: RouterConfig) -> None:
     served = load_served_model(config.model, config.served_model_name)
-    backend = DisaggregatedBackend(list(config.prefill), list(config.decode), config.prefill_timeout_s)
+    backend = build_backend(config)  # registry + policy + conditional disaggregation + failover
+    backend.start()
     server, health = create_server()
     router_pb2_grpc.add_RouterServiceServicer_to_server(RouterServicer(backend, served.tokenizer, served.max_model_len, served.name), server)
     grpc_port = bind(server, config.host, config.grpc_port)
     await server.start()
-    app = instrument_app(build_app(served, backend, extra_routes=[metrics_route()]))  # /metrics; HTTP spans if tracing
+    app = instrument_app(build_app(served, backend, extra_routes=[metrics_route("frontend", "router"), workers_route(backend)]))  # /metrics; HTTP spans if tracing
     http = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.http_port, log_level="warning", lifespan="off"))
     http.install_signal_handlers = lambda: None  # signals are ours (stop_event_on_signals)
     http_task = asyncio.create_task(http.serve())

@@ -120,3 +120,26 @@ def expose(*groups: str, registry: CollectorRegistry = REGISTRY) -> None:
             if id(metric) not in done:
                 registry.register(metric)
                 done.add(id(metric))
+
+# --- router: worker registry and routing decisions -----------------------------------------------------
+ROUTER_WORKER_UP = Gauge(
+    "splitserve:router_worker_up", "1 while the router routes to the worker (health checks pass), else 0.",
+    ["role", "worker"], registry=None)
+ROUTER_WORKER_PICKS = Counter(
+    "splitserve:router_worker_picks", "Requests the routing policy sent to each worker.", ["role", "worker"], registry=None)
+ROUTER_FAILOVERS = Counter(
+    "splitserve:router_failovers", "Attempts moved to another worker (or to local prefill) after a worker failed before "
+    "the first token.", ["role"], registry=None)
+DISAGG_THRESHOLD = Gauge(
+    "splitserve:disagg_threshold_tokens", "Current uncached-prompt-token threshold below which requests are prefilled "
+    "on the decode worker (fixed or derived by the auto cost model).", registry=None)
+DISAGG_PREFILL_SECONDS_PER_TOKEN = Gauge(
+    "splitserve:disagg_prefill_seconds_per_token", "Measured prefill time per uncached token (regression slope) on "
+    "prefill workers (where=remote) and on decode workers (where=local).", ["where"], registry=None)
+DISAGG_TRANSFER_SECONDS_PER_TOKEN = Gauge(
+    "splitserve:disagg_transfer_seconds_per_token", "Measured KV handoff time per prompt token (1 / bandwidth in tokens).",
+    registry=None)
+DISAGG_TRANSFER_OVERHEAD = Gauge(
+    "splitserve:disagg_transfer_overhead_seconds", "Measured fixed cost of one KV handoff (regression intercept).", registry=None)
+GROUPS["router"] = (ROUTER_WORKER_UP, ROUTER_WORKER_PICKS, ROUTER_FAILOVERS, DISAGG_THRESHOLD,
+                    DISAGG_PREFILL_SECONDS_PER_TOKEN, DISAGG_TRANSFER_SECONDS_PER_TOKEN, DISAGG_TRANSFER_OVERHEAD)
