@@ -89,6 +89,7 @@ def _generate(argv: list[str]) -> int:
     import grpc
 
     from splitserve.client import RouterClient
+    from splitserve.rpc.tls import add_tls_args, tls_config
 
     ap = argparse.ArgumentParser(prog="splitserve generate", description="Stream a completion from a router over gRPC.")
     ap.add_argument("prompt")
@@ -99,10 +100,12 @@ def _generate(argv: list[str]) -> int:
     ap.add_argument("--top-k", type=int, default=-1)
     ap.add_argument("--seed", type=int)
     ap.add_argument("--stop", action="append", default=[])
+    ap.add_argument("--api-key", default=os.environ.get("PD_API_KEY"), help="router API key (prefer PD_API_KEY)")
+    add_tls_args(ap)
     a = ap.parse_args(argv)
 
     async def run() -> None:
-        async with RouterClient(a.router) as client:
+        async with RouterClient(a.router, tls=tls_config(a), api_key=a.api_key) as client:
             async for delta in client.generate(a.prompt, max_tokens=a.max_tokens, temperature=a.temperature,
                                                top_p=a.top_p, top_k=a.top_k, seed=a.seed, stop=a.stop):
                 sys.stdout.write(delta.text)

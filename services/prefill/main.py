@@ -14,6 +14,7 @@ from splitserve.logs import setup_logging
 from splitserve.model import load_model
 from splitserve.rpc.server import bind, create_server, set_serving, stop_event_on_signals
 from splitserve.transfer import create_sender
+from splitserve.transfer.faults import sender_fault_options
 
 logger = logging.getLogger("splitserve.prefill")
 SERVICE = prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name
@@ -24,17 +25,18 @@ async def serve(config: PrefillConfig) -> None:
     lm = load_model(config.model)
     engine = AsyncEngine(lm, config.engine)
     await engine.start()
-    sender = create_sender(config.transport, engine.kv_cache, engine.layout, host=config.data_host, port=config.data_port)
+    sender = create_sender(config.transport, engine.kv_cache, engine.layout, host=config.data_host, port=config.data_port,
+                           **sender_fault_options())
     await sender.start()
     server, health = create_server()
-    servicer = PrefillServicer(engine, sender, config.transport, config.kv_lease_s)
+    servicer = PrefillServicer(engine, sender, config.transport, config.kv_lease_s, advertise=config.data_advertise)
     prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, server)
-    port = bind(server, config.host, config.port)
+    port = bind(server, config.host, config.port, config.tls)
     await server.start()
     await set_serving(health, [SERVICE])
     logger.info(
-        "prefill worker ready: grpc %s:%d, kv data %s (%s), model %s, %d KV blocks of %d tokens",
-        config.host, port, sender.endpoint, config.transport, lm.model_id, engine.num_blocks, config.engine.block_size,
+        "prefill worker ready: grpc %s:%d%s, kv data %s (%s), model %s, %d KV blocks of %d tokens",
+        config.host, port, " (tls)" if config.tls.enabled else "", servicer.endpoint, config.transport, lm.model_id, engine.num_blocks, config.engine.block_size,
     )
     stop = stop_event_on_signals()
     try:

@@ -8,7 +8,7 @@ import logging
 import uvicorn
 from pd.v1 import router_pb2, router_pb2_grpc
 
-from splitserve.services.router.backend import DisaggregatedBackend
+from splitserve.services.router.backend import DisaggregatedBackend, RetryPolicy
 from splitserve.services.router.config import RouterConfig, parse
 from splitserve.services.router.grpc_api import RouterServicer
 from splitserve.frontend.http_app import build_app
@@ -22,12 +22,13 @@ SERVICE = router_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name
 
 async def serve(config: RouterConfig) -> None:
     served = load_served_model(config.model, config.served_model_name)
-    backend = DisaggregatedBackend(list(config.prefill), list(config.decode), config.prefill_timeout_s)
-    server, health = create_server()
+    retry = RetryPolicy(config.prefill_attempts, config.decode_attempts, config.local_prefill_fallback)
+    backend = DisaggregatedBackend(list(config.prefill), list(config.decode), config.prefill_timeout_s, tls=config.tls, retry=retry)
+    server, health = create_server(api_key=config.api_key, protected_services=[SERVICE])
     router_pb2_grpc.add_RouterServiceServicer_to_server(RouterServicer(backend, served.tokenizer, served.max_model_len), server)
-    grpc_port = bind(server, config.host, config.grpc_port)
+    grpc_port = bind(server, config.host, config.grpc_port, config.tls)
     await server.start()
-    app = build_app(served, backend)
+    app = build_app(served, backend, api_key=config.api_key, request_timeout_s=config.request_timeout_s)
     http = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.http_port, log_level="warning", lifespan="off"))
     http.install_signal_handlers = lambda: None  # signals are ours (stop_event_on_signals)
     http_task = asyncio.create_task(http.serve())
@@ -39,8 +40,9 @@ async def serve(config: RouterConfig) -> None:
     layout_check = asyncio.create_task(backend.check_layouts())  # workers may still be starting
     await set_serving(health, [SERVICE])
     logger.info(
-        "router ready: http http://%s:%d/v1, grpc %s:%d, model %s, prefill %s, decode %s",
-        config.host, config.http_port, config.host, grpc_port, served.name, ",".join(config.prefill), ",".join(config.decode),
+        "router ready: http http://%s:%d/v1, grpc %s:%d%s, model %s, prefill %s, decode %s%s",
+        config.host, config.http_port, config.host, grpc_port, " (tls)" if config.tls.enabled else "", served.name,
+        ",".join(config.prefill), ",".join(config.decode), ", API key required" if config.api_key else "",
     )
     stop = stop_event_on_signals()
     try:

@@ -96,6 +96,8 @@ class AsyncEngine:
 
     async def _stream(self, seq: Sequence) -> AsyncIterator[RequestOutput]:
         if seq.request_id in self._queues:
+            if seq.block_table:  # decode_prefilled handed us its blocks: they are ours to free
+                self.core.free(seq.block_table)
             raise InvalidRequest(f"duplicate request_id {seq.request_id}")
         q: asyncio.Queue = asyncio.Queue()
         self._queues[seq.request_id] = q
@@ -138,8 +140,11 @@ class AsyncEngine:
     def decode_prefilled(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, first_token_id: int, block_ids: list[int]
     ) -> AsyncIterator[RequestOutput]:
-        """Continue a request whose prompt KV is already in ``block_ids`` (ownership passes to the engine)."""
+        """Continue a request whose prompt KV is already in ``block_ids`` (ownership passes to the engine
+        once the returned stream is first iterated; raising here leaves them with the caller)."""
         self._validate(prompt_token_ids)
+        if not 0 <= first_token_id < self.lm.config.vocab_size:
+            raise InvalidRequest(f"first_token_id {first_token_id} is outside the vocabulary [0, {self.lm.config.vocab_size})")
         seq = Sequence(request_id, list(prompt_token_ids), params, SeqMode.DECODE_PREFILLED)
         seq.output_token_ids = [first_token_id]
         seq.block_table = list(block_ids)
@@ -147,8 +152,18 @@ class AsyncEngine:
         return self._stream(seq)
 
     async def allocate_blocks(self, num_blocks: int) -> list[int]:
-        """Reserve KV blocks (e.g. to receive a transfer into). Raises CapacityExhausted."""
-        return await asyncio.wrap_future(self.core.allocate(num_blocks))
+        """Reserve KV blocks (e.g. to receive a transfer into). Raises CapacityExhausted. Cancel-safe: blocks
+        allocated for a caller that was cancelled meanwhile are freed."""
+        fut = self.core.allocate(num_blocks)
+        try:
+            return await asyncio.wrap_future(fut)
+        except asyncio.CancelledError:
+            fut.add_done_callback(self._free_unclaimed)
+            raise
+
+    def _free_unclaimed(self, fut) -> None:
+        if not fut.cancelled() and fut.exception() is None:
+            self.core.free(fut.result())
 
     def free_blocks(self, block_ids: list[int]) -> None:
         self.core.free(block_ids)

@@ -117,12 +117,16 @@ class EngineCore:
             self.block_manager.free(arg)
         elif kind == "allocate":
             num_blocks, fut = arg
+            if not fut.set_running_or_notify_cancel():  # the caller gave up: allocate nothing
+                return
             try:
                 fut.set_result(self.block_manager.allocate(num_blocks))
             except Exception as exc:
                 fut.set_exception(exc)
         elif kind == "call":
             fn, fut = arg
+            if not fut.set_running_or_notify_cancel():
+                return
             try:
                 fut.set_result(fn())
             except Exception as exc:

@@ -5,9 +5,15 @@ FETCH request (receiver -> sender, one UCX active message)::
     magic "SKV1" | kind u16 (=1) | flags u16 | tag_base u64 | block_nbytes u64 | layout_digest u64
     | nseg u32 | tid_len u16 | reserved u16 | transfer_id (utf-8, tid_len bytes) | nseg x (src_start u32, count u32)
 
+``flags`` bit 0 (:data:`FLAG_CHECKSUM`): the receiver asks for a checksum of the data it will receive.
+
 STATUS reply (sender -> receiver, one tag message on ``tag_base``)::
 
     magic "SKS1" | status u32 | detail_len u32 | detail (utf-8)
+    magic "SKS2" | status u32 | detail_len u32 | checksum u64 | detail     (when FLAG_CHECKSUM was set)
+
+``checksum``: xxh3-64 over the bytes of every segment, in segment order, computed by the sender from
+its KV blocks before posting them (:func:`splitserve.transfer.common.segments_checksum`).
 
 Data: segment ``i`` travels as one tag message on ``tag_base + 1 + i``.
 """
@@ -23,14 +29,17 @@ from splitserve.transfer.common import Status
 
 FETCH_MAGIC = b"SKV1"
 STATUS_MAGIC = b"SKS1"
+STATUS_CHECKSUM_MAGIC = b"SKS2"
 KIND_FETCH = 1
+FLAG_CHECKSUM = 1
 
 _FETCH_HDR = struct.Struct("<4sHHQQQIHH")
 _STATUS_HDR = struct.Struct("<4sII")
+_CHECKSUM = struct.Struct("<Q")
 
 #: receive buffer for a STATUS message; details are truncated to fit
 STATUS_BUF_NBYTES = 1024
-MAX_DETAIL = STATUS_BUF_NBYTES - _STATUS_HDR.size
+MAX_DETAIL = STATUS_BUF_NBYTES - _STATUS_HDR.size - _CHECKSUM.size
 #: segments per transfer are numbered in the low bits of the tag
 MAX_SEGMENTS = (1 << 24) - 2
 MAX_TID_BYTES = 1024
@@ -47,6 +56,7 @@ class FetchRequest:
     layout_digest: int
     transfer_id: str
     runs: list[tuple[int, int]]  # (src_start, count) per segment, in tag order
+    flags: int = 0  # FLAG_CHECKSUM
 
 
 def encode_fetch(req: FetchRequest) -> bytearray:
@@ -63,7 +73,7 @@ def encode_fetch(req: FetchRequest) -> bytearray:
         flat.byteswap()
     out = bytearray(
         _FETCH_HDR.pack(
-            FETCH_MAGIC, KIND_FETCH, 0, req.tag_base, req.block_nbytes, req.layout_digest, len(req.runs), len(tid), 0
+            FETCH_MAGIC, KIND_FETCH, req.flags, req.tag_base, req.block_nbytes, req.layout_digest, len(req.runs), len(tid), 0
         )
     )
     out += tid
@@ -75,7 +85,7 @@ def decode_fetch(buf) -> FetchRequest:
     mv = memoryview(buf).cast("B")
     if len(mv) < _FETCH_HDR.size:
         raise WireError("short fetch header")
-    magic, kind, _flags, tag_base, block_nbytes, digest, nseg, tid_len, _r = _FETCH_HDR.unpack_from(mv, 0)
+    magic, kind, flags, tag_base, block_nbytes, digest, nseg, tid_len, _r = _FETCH_HDR.unpack_from(mv, 0)
     if magic != FETCH_MAGIC or kind != KIND_FETCH:
         raise WireError("not a fetch request")
     if nseg > MAX_SEGMENTS or tid_len > MAX_TID_BYTES:
@@ -93,23 +103,36 @@ def decode_fetch(buf) -> FetchRequest:
     if sys.byteorder != "little":  # pragma: no cover
         flat.byteswap()
     runs = [(flat[2 * i], flat[2 * i + 1]) for i in range(nseg)]
-    return FetchRequest(tag_base, block_nbytes, digest, tid, runs)
+    return FetchRequest(tag_base, block_nbytes, digest, tid, runs, flags)
 
 
-def encode_status(status: Status, detail: str = "") -> bytearray:
+def encode_status(status: Status, detail: str = "", checksum: int | None = None) -> bytearray:
     d = detail.encode()[:MAX_DETAIL]
-    return bytearray(_STATUS_HDR.pack(STATUS_MAGIC, int(status), len(d)) + d)
+    if checksum is None:
+        return bytearray(_STATUS_HDR.pack(STATUS_MAGIC, int(status), len(d)) + d)
+    return bytearray(_STATUS_HDR.pack(STATUS_CHECKSUM_MAGIC, int(status), len(d)) + _CHECKSUM.pack(checksum) + d)
 
 
-def decode_status(buf) -> tuple[Status, str]:
+def decode_status_checksum(buf) -> tuple[Status, str, int | None]:
+    """(status, detail, checksum or None when the sender sent none)."""
     mv = memoryview(buf).cast("B")
     magic, code, dlen = _STATUS_HDR.unpack_from(mv, 0)
-    if magic != STATUS_MAGIC:
+    if magic not in (STATUS_MAGIC, STATUS_CHECKSUM_MAGIC):
         raise WireError("not a status message")
     try:
         status = Status(code)
     except ValueError:
         raise WireError(f"unknown status code {code}") from None
+    off = _STATUS_HDR.size
+    checksum = None
+    if magic == STATUS_CHECKSUM_MAGIC:
+        (checksum,) = _CHECKSUM.unpack_from(mv, off)
+        off += _CHECKSUM.size
     dlen = min(dlen, MAX_DETAIL)
-    detail = bytes(mv[_STATUS_HDR.size : _STATUS_HDR.size + dlen]).decode(errors="replace")
+    detail = bytes(mv[off : off + dlen]).decode(errors="replace")
+    return status, detail, checksum
+
+
+def decode_status(buf) -> tuple[Status, str]:
+    status, detail, _checksum = decode_status_checksum(buf)
     return status, detail
