@@ -64,10 +64,12 @@ def _up(argv: list[str]) -> int:
         cluster.stop()
         return 1
     base = f"http://{a.host}:{http_port}/v1"
+    auth = ' -H "Authorization: Bearer $PD_API_KEY"' if env("PD_API_KEY") else ""
     print(
         f"\nsplitserve is up: {a.prefill} prefill + {a.decode} decode workers, model {a.model}\n"
         f"  OpenAI API : {base}\n  gRPC       : {a.host}:{grpc_port} (pd.v1.RouterService)\n\n"
-        f"try:\n  curl -sN {base}/completions -H 'Content-Type: application/json' \\\n"
+        f"try:\n  curl -sN {base}/completions -H 'Content-Type: application/json'"
+        f"{auth} \\\n"
         f"    -d '{{\"model\": \"{os.path.basename(a.model.rstrip('/')).removesuffix('.gguf')}\", \"prompt\": \"Once upon a time\", "
         f"\"max_tokens\": 48, \"temperature\": 0, \"stream\": true}}'\n"
         f"  splitserve generate --router {a.host}:{grpc_port} \"Once upon a time\"\n\nCtrl-C stops the cluster.\n",
