@@ -43,6 +43,7 @@ class Chaos:
     def __init__(self, tmp) -> None:
         self.pki = make_pki(tmp)
         self.tls = TlsConfig(self.pki.cert, self.pki.key, self.pki.ca, client_auth=True)
+        self._channels: dict = {}
         env = {**TEST_ENV, **tls_env(self.pki), "PD_API_KEY": API_KEY, "PD_KV_CHECKSUM": "1",
                "PD_KV_TRANSFER_TIMEOUT_S": str(KV_TIMEOUT_S)}
         self.cluster, http_port, grpc_port = build_cluster(
@@ -76,10 +77,22 @@ class Chaos:
     def http(self, **kw) -> httpx.AsyncClient:
         return httpx.AsyncClient(base_url=self.base_url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60, **kw)
 
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        """One TLS channel per address and event loop (pytest-asyncio gives each test its own loop)."""
+        key = (id(asyncio.get_running_loop()), address)
+        if key not in self._channels:
+            self._channels[key] = channel(address, self.tls)
+        return self._channels[key]
+
+    async def close_channels(self) -> None:
+        channels, self._channels = self._channels, {}
+        for ch in channels.values():
+            await ch.close()
+
     async def stats(self, child: Child) -> dict[str, float]:
         stub_cls = decode_pb2_grpc.DecodeServiceStub if child.name.startswith("decode") else prefill_pb2_grpc.PrefillServiceStub
-        async with channel(self.address(child), self.tls) as ch:
-            return dict((await stub_cls(ch).GetStats(common_pb2.GetStatsRequest(), timeout=10)).counters)
+        ch = self._channel(self.address(child))
+        return dict((await stub_cls(ch).GetStats(common_pb2.GetStatsRequest(), timeout=10)).counters)
 
     def workers(self) -> list[Child]:
         return [w for w in (self.p0, self.p1, self.d0, self.d1, self.corrupt) if w.proc.poll() is None]
@@ -93,8 +106,9 @@ class Chaos:
                                                       "streams_open", "prefills_in_flight", "kv_transfers_held")}
             idle &= (s["kv_blocks_free"] == s["kv_blocks_total"] and s["requests_running"] == 0 and s["requests_waiting"] == 0
                      and s.get("streams_open", 0) == 0 and s.get("prefills_in_flight", 0) == 0 and s.get("kv_transfers_held", 0) == 0)
-        async with self.client() as client:
-            r = await client.stats()
+        resp = await router_pb2_grpc.RouterServiceStub(self._channel(self.router)).GetStats(
+            common_pb2.GetStatsRequest(), timeout=10, metadata=(("authorization", f"Bearer {API_KEY}"),))
+        r = dict(resp.counters)
         report["router"] = {k: r.get(k, 0) for k in ("streams_open", "grpc_streams_open", "background_tasks")}
         idle &= all(v == 0 for v in report["router"].values())
         return idle, report
@@ -120,7 +134,10 @@ def chaos(tmp_path_factory):
 @pytest.fixture(autouse=True)
 async def no_leaks(chaos):
     yield
-    await chaos.wait_idle(timeout_s=3.0)  # every live worker's KV pool at baseline, no stream open anywhere
+    try:
+        await chaos.wait_idle(timeout_s=3.0)  # every live worker's KV pool at baseline, no stream open anywhere
+    finally:
+        await chaos.close_channels()
 
 
 async def greedy(chaos: Chaos, prompt, max_tokens=24, **kw) -> list[int]:
@@ -382,26 +399,28 @@ async def test_unreachable_kv_data_endpoint_falls_back_within_the_timeout(chaos,
 
 
 async def test_decode_killed_mid_stream(chaos, references):
+    chaos.p0.proc.kill()  # (prefill-0's KV path is unreachable: its 2 s fallbacks would stagger the streams)
+    chaos.p0.proc.wait()
+    n_streams = 8
+    running = [asyncio.Event() for _ in range(n_streams)]
+
+    async def stream(i: int, client: RouterClient):
+        n = 0
+        try:
+            async for r in client.generate(PROMPTS[i % len(PROMPTS)], max_tokens=450, temperature=0.0, ignore_eos=True):
+                n += len(r.token_ids)
+                if n >= 3:  # the first token comes from prefill, the next ones from a decode worker
+                    running[i].set()
+            return n, time.monotonic()
+        except grpc.aio.AioRpcError as exc:
+            running[i].set()
+            return exc, time.monotonic()
+
     async with chaos.client() as client:
-        streams = [client.generate(p, max_tokens=450, temperature=0.0, ignore_eos=True) for p in PROMPTS]
-        for s in streams:  # the first token comes from prefill, the next ones from a decode worker
-            for _ in range(3):
-                await anext(s)
-        assert (await chaos.stats(chaos.d1))["requests_running"] >= 1 and (await chaos.stats(chaos.d0))["requests_running"] >= 1
-
-        async def drain(s):
-            n = 3
-            try:
-                async for r in s:
-                    n += len(r.token_ids)
-                return n, time.monotonic()
-            except grpc.aio.AioRpcError as exc:
-                return exc, time.monotonic()
-
-        tasks = [asyncio.ensure_future(drain(s)) for s in streams]
-        await asyncio.sleep(0.2)
+        tasks = [asyncio.ensure_future(stream(i, client)) for i in range(n_streams)]
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in running)), timeout=30)
         t0 = time.monotonic()
-        chaos.d1.proc.send_signal(signal.SIGKILL)
+        chaos.d1.proc.send_signal(signal.SIGKILL)  # every stream is mid-decode on decode-0 or decode-1
         chaos.d1.proc.wait()
         outcomes = await asyncio.gather(*tasks)
     errors = [(o, t - t0) for o, t in outcomes if isinstance(o, grpc.aio.AioRpcError)]

@@ -38,6 +38,10 @@ def _limits() -> list[tuple[str, int]]:
     ]
 
 
+#: the message and metadata limits every server and channel uses (as of import; see max_message_bytes)
+GRPC_OPTIONS = _limits()
+
+
 def server_options() -> list[tuple[str, int]]:
     return [
         *_limits(),
