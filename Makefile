@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install up test test-fast bench-transfer protos check-protos clean
+.PHONY: install up test test-fast bench-transfer bench-kvstore bench-tracing protos check-protos clean image
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,8 +28,19 @@ test-fast: install
 bench-transfer: install
 	$(PY) benchmarks/kv_transfer.py
 
+bench-kvstore: install
+	$(PY) benchmarks/kvstore_trace.py
+
+bench-tracing: install
+	$(PY) benchmarks/tracing_overhead.py
+
 protos: install
 	$(PY) scripts/gen_protos.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# container image (Dockerfile; CUDA torch: make image TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128)
+TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cpu
+image:
+	docker build --build-arg TORCH_INDEX_URL=$(TORCH_INDEX_URL) -t splitserve:latest .

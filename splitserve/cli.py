@@ -1,4 +1,4 @@
-"""The `splitserve` command: up | prefill | decode | router | colocated | generate."""
+"""The `splitserve` command: up | prefill | decode | router | colocated | generate | bench."""
 
 from __future__ import annotations
 
@@ -13,19 +13,22 @@ import time
 USAGE = """splitserve <command> [options]
 
 commands:
-  up         start router + prefill + decode workers as local processes (Ctrl-C stops them all)
+  up         start router + prefill + decode workers + KV store as local processes (Ctrl-C stops them all)
   prefill    run one prefill worker
   decode     run one decode worker
   router     run the router (OpenAI HTTP API + gRPC RouterService)
+  kvstore-master  run the KV store metadata master
+  kvstore-node    run a KV store storage node (a memory segment served over UCX)
   colocated  serve prefill and decode in one process (reference / baseline)
   generate   stream a completion from a running router over gRPC
+  bench      benchmark an endpoint; `bench compare` colocated vs disaggregated; `bench efficiency`
 
 `splitserve <command> --help` shows each command's options.
 """
 
 
 def _up(argv: list[str]) -> int:
-    from splitserve.launcher import build_cluster
+    from splitserve.launcher import build_cluster, store_health
     from splitserve.logs import setup_logging
     from splitserve.paths import default_model_path
 
@@ -40,13 +43,37 @@ def _up(argv: list[str]) -> int:
     ap.add_argument("--transport", default=env("PD_KV_TRANSPORT", "ucx"), choices=["ucx"])
     ap.add_argument("--block-size", type=int, default=int(env("PD_BLOCK_SIZE", "16")))
     ap.add_argument("--kv-cache-mb", type=int, default=int(env("PD_KV_CACHE_MB", "256")))
+    ap.add_argument("--store-nodes", type=int, default=int(env("PD_KVSTORE_NODES", "1")),
+                    help="KV store storage nodes (with a master); prefix blocks are reused across requests")
+    ap.add_argument("--no-store", action="store_true", help="run without the KV store (no master, no storage nodes)")
+    ap.add_argument("--store-mb", type=int, default=int(env("PD_KVSTORE_SEGMENT_MB", "256")), help="memory segment per storage node, MiB")
+    ap.add_argument("--store-replicas", type=int, default=int(env("PD_KVSTORE_REPLICAS", "1")), help="copies per object on distinct nodes")
+    ap.add_argument("--kv-transfer-mode", default=env("PD_KV_TRANSFER_MODE", "direct"), choices=["direct", "store"],
+                    help="direct: decode pulls KV from prefill over UCX; store: through the KV store")
+    ap.add_argument("--policy", default=env("PD_ROUTING_POLICY", "round_robin"), choices=["round_robin", "least_loaded", "prefix_aware"],
+                    help="router's worker selection policy")
+    ap.add_argument("--disagg", default=env("PD_DISAGG", "always"),
+                    help="always | auto | N: prompts with < N uncached tokens are prefilled on the decode worker")
+    ap.add_argument("--trace", action="store_true", help="every process exports OpenTelemetry traces over OTLP")
+    ap.add_argument("--otlp-endpoint", help="OTLP endpoint for --trace (implies it); default $OTEL_EXPORTER_OTLP_ENDPOINT "
+                    "or http://127.0.0.1:4317 (e.g. Jaeger all-in-one)")
     a = ap.parse_args(argv)
+    store_nodes = 0 if a.no_store else a.store_nodes
+    if a.kv_transfer_mode == "store" and not store_nodes:
+        ap.error("--kv-transfer-mode store needs the KV store (drop --no-store, --store-nodes >= 1)")
     setup_logging("up")
     log = logging.getLogger("splitserve.up")
-    worker_args = ["--transport", a.transport, "--block-size", str(a.block_size), "--kv-cache-mb", str(a.kv_cache_mb)]
+    trace_env = {}
+    if a.trace or a.otlp_endpoint:
+        endpoint = a.otlp_endpoint or env("OTEL_EXPORTER_OTLP_ENDPOINT") or "http://127.0.0.1:4317"
+        trace_env = {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint}
+    worker_args = ["--transport", a.transport, "--block-size", str(a.block_size), "--kv-cache-mb", str(a.kv_cache_mb),
+                   "--kv-transfer-mode", a.kv_transfer_mode]
     cluster, http_port, grpc_port = build_cluster(
         model=a.model, num_prefill=a.prefill, num_decode=a.decode, host=a.host,
-        http_port=a.http_port, grpc_port=a.grpc_port, worker_args=worker_args,
+        http_port=a.http_port, grpc_port=a.grpc_port, worker_args=worker_args, env=trace_env,
+        store_nodes=store_nodes, master_args=["--replicas", str(a.store_replicas)], node_args=["--segment-mb", str(a.store_mb)],
+        router_args=["--policy", a.policy, "--disagg", a.disagg],
     )
     stopping = False
 
@@ -65,9 +92,15 @@ def _up(argv: list[str]) -> int:
         return 1
     base = f"http://{a.host}:{http_port}/v1"
     auth = ' -H "Authorization: Bearer $PD_API_KEY"' if env("PD_API_KEY") else ""
+    store = (f"KV store ({a.kv_transfer_mode} KV transfer, {a.store_replicas} replica(s)):\n{store_health(cluster)}\n"
+             if store_nodes else "KV store: off\n")
+    metrics = "\n               ".join(f"{c.metrics}  ({c.name})" for c in cluster.children if c.metrics)
+    otlp = trace_env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or env("OTEL_EXPORTER_OTLP_ENDPOINT")
+    traces = f"OTLP to {otlp}" if otlp and env("OTEL_SDK_DISABLED", "").lower() != "true" else "off (--trace to export them)"
     print(
         f"\nsplitserve is up: {a.prefill} prefill + {a.decode} decode workers, model {a.model}\n"
-        f"  OpenAI API : {base}\n  gRPC       : {a.host}:{grpc_port} (pd.v1.RouterService)\n\n"
+        f"  OpenAI API : {base}\n  gRPC       : {a.host}:{grpc_port} (pd.v1.RouterService)\n"
+        f"  Metrics    : {metrics}\n  Traces     : {traces}\n{store}\n"
         f"try:\n  curl -sN {base}/completions -H 'Content-Type: application/json'"
         f"{auth} \\\n"
         f"    -d '{{\"model\": \"{os.path.basename(a.model.rstrip('/')).removesuffix('.gguf')}\", \"prompt\": \"Once upon a time\", "
@@ -140,6 +173,12 @@ def main(argv: list[str] | None = None) -> None:
         from splitserve.services.router.main import main as run
     elif command == "colocated":
         from splitserve.colocated.main import main as run
+    elif command == "kvstore-master":
+        from splitserve.services.kvstore.master.main import main as run
+    elif command == "kvstore-node":
+        from splitserve.services.kvstore.node.main import main as run
+    elif command == "bench":
+        from splitserve.bench.cli import main as run
     else:
         print(f"unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
         sys.exit(2)

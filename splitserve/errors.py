@@ -37,3 +37,48 @@ class WorkerUnavailable(PdError):
 
 class DeadlineExceeded(PdError):
     """The request's deadline passed before it finished (DEADLINE_EXCEEDED, HTTP 504)."""
+# --- KV store (services/kvstore, splitserve/kvstore) ---------------------------------------------------
+
+
+class StoreError(PdError):
+    """A KV store call failed for one object (typed; absence is never signalled by empty bytes)."""
+
+
+class ObjectNotFound(StoreError):
+    """No such object: never written, removed, evicted, reclaimed or lost with its last replica (NOT_FOUND)."""
+
+
+class ObjectNotReady(StoreError):
+    """The object is being written (PutStart without PutEnd); readers must not use it (UNAVAILABLE)."""
+
+
+class ObjectAlreadyExists(StoreError):
+    """PutStart of a key that is complete or being written by another writer (ALREADY_EXISTS)."""
+
+
+class ObjectHasLease(StoreError):
+    """Remove of an object under a read lease (FAILED_PRECONDITION)."""
+
+
+class LeaseExpired(StoreError):
+    """A read finished after its read lease ended: the bytes may have been replaced; recompute (ABORTED)."""
+
+
+class StoreNoSpace(StoreError, CapacityExhausted):
+    """No storage segment can hold the object, even after eviction (RESOURCE_EXHAUSTED)."""
+
+
+class NoStorageNode(StoreError):
+    """No live storage node is mounted (UNAVAILABLE)."""
+
+
+class WriteRevoked(StoreError):
+    """PutEnd/PutRevoke of a write that was reclaimed (timeout) or replaced (ABORTED)."""
+
+
+class StoreIOError(StoreError, KVTransferError):
+    """Moving object bytes to or from a storage node failed, timed out or was refused (UNAVAILABLE)."""
+
+
+class ChecksumMismatch(StoreError):
+    """Bytes read do not match the checksum recorded at PutEnd (DATA_LOSS)."""

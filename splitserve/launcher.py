@@ -1,4 +1,5 @@
-"""`splitserve up`: router + N prefill + M decode workers as separate local processes.
+"""`splitserve up`: router + N prefill + M decode workers (+ KV store master and storage nodes) as separate
+local processes.
 
 Waits until every process is healthy, prints the endpoints, reports any process that dies,
 and on Ctrl-C / SIGTERM stops them all (SIGTERM, then SIGKILL after a grace period). Each
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -28,7 +30,17 @@ _PR_SET_PDEATHSIG = 1
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
+    """A port that is free now, drawn at random below Linux's ephemeral range (32768+), so that the
+    kernel does not hand it to an outgoing connection before the service binds it."""
+    for _ in range(200):
+        port = random.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # crowded range: let the kernel choose
         s.bind((host, 0))
         return s.getsockname()[1]
 
@@ -45,6 +57,7 @@ class Child:
     name: str
     argv: list[str]
     health: str  # "grpc:host:port" or "http://host:port/health"
+    metrics: str = ""  # Prometheus endpoint, "http://host:port/metrics"
     proc: subprocess.Popen | None = None
     reported: bool = False
 
@@ -126,21 +139,76 @@ def _healthy(target: str, tls: TlsConfig | None = None) -> bool:
 def build_cluster(
     *, model: str, num_prefill: int = 1, num_decode: int = 1, host: str = "127.0.0.1", http_port: int = 8000,
     grpc_port: int = 50050, worker_args: list[str] | None = None, env: dict[str, str] | None = None,
+    store_nodes: int = 0, master_args: list[str] | None = None, node_args: list[str] | None = None,
+    router_args: list[str] | None = None,
 ) -> tuple[Cluster, int, int]:
-    """Describe a cluster; ports 0 are replaced by free ones. Returns (cluster, http_port, grpc_port)."""
+    """Describe a cluster; ports 0 are replaced by free ones (workers' gRPC and /metrics ports are
+    always free ones). Returns (cluster, http_port, grpc_port).
+
+    ``store_nodes`` > 0 adds a KV store master and that many storage nodes, and points every worker at the
+    master (``--kvstore-master``); ``master_args``/``node_args`` go to those processes.
+    """
     if num_prefill < 1 or num_decode < 1:
         raise ValueError("need at least one prefill and one decode worker")
+    if store_nodes < 0:
+        raise ValueError("store_nodes must be >= 0")
     http_port = http_port or free_port(host)
     grpc_port = grpc_port or free_port(host)
     py = [sys.executable, "-m", "splitserve.cli"]
     common = ["--model", model, *(worker_args or [])]
-    children, prefill_addrs, decode_addrs = [], [], []
+    children, prefill_addrs, decode_addrs, store = [], [], [], []
+    if store_nodes:  # listed after the workers (children[0] stays prefill-0); workers retry until the master is up
+        store, master = store_children(host, store_nodes, master_args, node_args)
+        common += ["--kvstore-master", master]
     for role, count, addrs in (("prefill", num_prefill, prefill_addrs), ("decode", num_decode, decode_addrs)):
         for i in range(count):
-            port = free_port(host)
+            port, metrics_port = free_port(host), free_port(host)
             addrs.append(f"{host}:{port}")
-            children.append(Child(f"{role}-{i}", [*py, role, *common, "--host", host, "--port", str(port)], f"grpc:{host}:{port}"))
+            argv = [*py, role, *common, "--host", host, "--port", str(port), "--metrics-port", str(metrics_port)]
+            children.append(Child(f"{role}-{i}", argv, f"grpc:{host}:{port}", f"http://{host}:{metrics_port}/metrics"))
     router = [*py, "router", "--model", model, "--host", host, "--http-port", str(http_port), "--grpc-port", str(grpc_port),
-              "--prefill", ",".join(prefill_addrs), "--decode", ",".join(decode_addrs)]
-    children.append(Child("router", router, f"http://{host}:{http_port}/health"))
+              "--prefill", ",".join(prefill_addrs), "--decode", ",".join(decode_addrs), *(router_args or [])]
+    children += store
+    children.append(Child("router", router, f"http://{host}:{http_port}/health", f"http://{host}:{http_port}/metrics"))
     return Cluster(children, env or {}), http_port, grpc_port
+
+
+def store_children(host: str, num_nodes: int, master_args: list[str] | None = None,
+                   node_args: list[str] | None = None) -> tuple[list[Child], str]:
+    """A KV store master ("kvstore-master") and ``num_nodes`` storage nodes ("kvstore-node-<i>", node id
+    "node-<i>") on free ports. Returns (children, master gRPC address)."""
+    py = [sys.executable, "-m", "splitserve.cli"]
+    master = f"{host}:{free_port(host)}"
+    mport = free_port(host)
+    children = [Child("kvstore-master", [*py, "kvstore-master", "--host", host, "--port", master.rpartition(":")[2],
+                                         "--metrics-port", str(mport), *(master_args or [])], f"grpc:{master}",
+                      f"http://{host}:{mport}/metrics")]
+    for i in range(num_nodes):
+        port, mport = free_port(host), free_port(host)
+        children.append(Child(f"kvstore-node-{i}", [*py, "kvstore-node", "--master", master, "--node-id", f"node-{i}",
+                                                    "--host", host, "--port", str(port), "--metrics-port", str(mport),
+                                                    *(node_args or [])], f"grpc:{host}:{port}", f"http://{host}:{mport}/metrics"))
+    return children, master
+
+
+def store_health(cluster: Cluster) -> str:
+    """One line per KV store process: health, and the master's view (mounted segments, capacity, use)."""
+    from pd.v1 import common_pb2, kvstore_pb2_grpc  # noqa: PLC0415
+
+    lines = []
+    for child in cluster.children:
+        if not child.name.startswith("kvstore-"):
+            continue
+        address = child.health.removeprefix("grpc:")
+        state = "SERVING" if _healthy(child.health) else "NOT SERVING"
+        detail = ""
+        if child.name == "kvstore-master" and state == "SERVING":
+            try:
+                with grpc.insecure_channel(address) as channel:
+                    c = kvstore_pb2_grpc.KVStoreMasterServiceStub(channel).GetStats(common_pb2.GetStatsRequest(), timeout=2).counters
+                detail = (f", {int(c['segments'])} segment(s) mounted, {c['capacity_bytes'] / 2**20:.0f} MiB, "
+                          f"{c['used_bytes'] / 2**20:.1f} MiB used, {int(c['objects'])} objects")
+            except grpc.RpcError as exc:
+                detail = f", stats unavailable: {exc.code().name}"
+        lines.append(f"  {child.name:15s}: {address} {state}{detail}")
+    return "\n".join(lines)

@@ -54,7 +54,11 @@ class Chaos:
         c = self.cluster.children
         self.p0, self.p1, self.d0, self.d1, self.router_child = c
         port = free_port()
-        self.corrupt = Child("prefill-corrupt", [*self.p0.argv[:-1], str(port)], f"grpc:127.0.0.1:{port}")
+        argv = list(self.p0.argv)
+        argv[argv.index("--port") + 1] = str(port)
+        if "--metrics-port" in argv:  # a metrics port of its own (0: any free one)
+            argv[argv.index("--metrics-port") + 1] = "0"
+        self.corrupt = Child("prefill-corrupt", argv, f"grpc:127.0.0.1:{port}")
         self.cluster.start()
         self.cluster.start_child(self.corrupt, {"PD_KV_FAULTS": "corrupt"})
         try:

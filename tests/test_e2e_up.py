@@ -32,7 +32,8 @@ def _alive(pid: int) -> bool:
 def test_up_serves_and_stops_cleanly():
     http_port, grpc_port = free_port(), free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "splitserve.cli", "up", "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--kv-cache-mb", "32"],
+        [sys.executable, "-m", "splitserve.cli", "up", "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--kv-cache-mb", "32",
+         "--store-mb", "32"],
         env={**os.environ, **TEST_ENV}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:
@@ -48,7 +49,8 @@ def test_up_serves_and_stops_cleanly():
         out = "".join(lines)
         assert f"http://127.0.0.1:{http_port}/v1" in out, out
         kids = _children(proc.pid)
-        assert len(kids) == 3  # router, prefill, decode: separate OS processes
+        assert len(kids) == 5  # router, prefill, decode, KV store master and storage node: separate OS processes
+        assert "kvstore-master" in out and "kvstore-node-0" in out and out.count("SERVING") >= 2
         r = httpx.post(f"http://127.0.0.1:{http_port}/v1/completions",
                        json={"model": "TinyStories-656K", "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8

@@ -34,3 +34,16 @@ def test_top_k_and_top_p_restrict_the_support():
 def test_invalid_params_raise(kwargs):
     with pytest.raises(ValueError):
         SamplingParams(**kwargs)
+
+
+def test_tiny_temperature_is_greedy_not_nan():
+    logits = torch.tensor([[0.5, 9.0, 1.0, -3.0]])
+    for t in (5.5e-38, 1e-40, 9e-6):
+        assert sample(logits, [SamplingParams(temperature=t)], [0]) == [1]
+
+
+def test_values_beyond_the_wire_format_are_rejected():
+    with pytest.raises(ValueError):
+        SamplingParams(top_k=2**31)
+    with pytest.raises(ValueError):
+        SamplingParams(max_tokens=2**31)

@@ -109,7 +109,7 @@ def test_wire_status_with_checksum():
     buf = wire.encode_status(Status.OK, "", 0xDEADBEEF12345678)
     assert wire.decode_status_checksum(buf) == (Status.OK, "", 0xDEADBEEF12345678)
     assert wire.decode_status_checksum(wire.encode_status(Status.OK)) == (Status.OK, "", None)
-    req = wire.FetchRequest(1 << 24, 4096, 9, "t", [(1, 2)], wire.FLAG_CHECKSUM)
+    req = wire.FetchRequest(1 << 24, 4096, 9, "t", [(1, 2)], flags=wire.FLAG_CHECKSUM)
     assert wire.decode_fetch(wire.encode_fetch(req)).flags == wire.FLAG_CHECKSUM
 
 

@@ -8,7 +8,9 @@ from dataclasses import dataclass
 
 from splitserve.engine.args import add_engine_args, engine_config
 from splitserve.engine.async_engine import EngineConfig
+from splitserve.kvstore.config import StoreClientConfig, add_store_args, store_config
 from splitserve.rpc.tls import TlsConfig, add_tls_args, tls_config
+from splitserve.telemetry.exposition import check_metrics_port
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,10 +23,13 @@ class DecodeConfig:
     kv_transfer_failure: str = "fallback"  # "fallback": recompute the prompt here; "error": fail the request
     kv_checksum: bool = False  # verify an xxh3-64 checksum of every pulled transfer
     torch_threads: int = 1
+    metrics_port: int = 0  # HTTP GET /metrics (Prometheus) on host:metrics_port; 0 = any free port, -1 = off
     engine: EngineConfig = EngineConfig()
+    store: StoreClientConfig = StoreClientConfig()
     tls: TlsConfig = TlsConfig()
 
     def __post_init__(self) -> None:
+        check_metrics_port(self.metrics_port)
         if self.kv_transfer_timeout_s <= 0:
             raise ValueError(f"kv_transfer_timeout_s must be > 0, got {self.kv_transfer_timeout_s}")
         if self.kv_transfer_failure not in ("fallback", "error"):
@@ -43,10 +48,13 @@ def parse(argv: list[str] | None = None) -> DecodeConfig:
     ap.add_argument("--kv-checksum", action=argparse.BooleanOptionalAction,
                     default=env("PD_KV_CHECKSUM", "0").lower() in ("1", "true", "yes", "on"),
                     help="verify an xxh3-64 checksum of every pulled KV transfer (mismatch: as a failed pull)")
+    add_store_args(ap)
+    ap.add_argument("--metrics-port", type=int, default=int(env("PD_METRICS_PORT", "0")), help="HTTP /metrics port; 0 = any free, -1 = off")
     add_tls_args(ap)
     a = ap.parse_args(argv)
     return DecodeConfig(
         model=a.model, host=a.host, port=a.port, transport=a.transport,
         kv_transfer_timeout_s=a.kv_transfer_timeout_s, kv_transfer_failure=a.kv_transfer_failure,
-        kv_checksum=a.kv_checksum, torch_threads=a.torch_threads, engine=engine_config(a), tls=tls_config(a),
+        kv_checksum=a.kv_checksum, torch_threads=a.torch_threads, metrics_port=a.metrics_port, engine=engine_config(a),
+        store=store_config(a), tls=tls_config(a),
     )

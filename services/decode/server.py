@@ -21,6 +21,7 @@ from typing import AsyncIterator
 import grpc
 from pd.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 
+from splitserve.services.decode.kv_store import DecodeStore
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.core import RequestOutput
 from splitserve.engine.sampling import SamplingParams
@@ -28,6 +29,8 @@ from splitserve.errors import InvalidRequest, KVTransferError, PdError, Transfer
 from splitserve.rpc.convert import FINISH_TO_PROTO, layout_from_proto, layout_to_proto, sampling_from_proto
 from splitserve.rpc.stats import GrpcByteCounter
 from splitserve.rpc.status import abort_with
+from splitserve.telemetry.transfer import observe_receive
+from splitserve.telemetry.workers import observe_decode
 from splitserve.transfer.base import KVReceiver
 
 logger = logging.getLogger(__name__)
@@ -40,11 +43,12 @@ MAX_REQUEST_ID_LEN = 256
 class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
     def __init__(
         self, engine: AsyncEngine, receiver: KVReceiver, transport: str, transfer_timeout_s: float,
-        transfer_failure: str = "fallback",
+        transfer_failure: str = "fallback", store: DecodeStore | None = None,
     ) -> None:
         if transfer_failure not in ("fallback", "error"):
             raise ValueError(f"transfer_failure must be 'fallback' or 'error', got {transfer_failure!r}")
         self.engine = engine
+        self.store = store
         self.receiver = receiver
         self.transport = transport
         self.transfer_timeout_s = transfer_timeout_s
@@ -69,8 +73,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 else:
                     self.num_local_prefills += 1
                     stream = self.engine.generate(request.request_id, prompt, params)
-                async with contextlib.aclosing(stream):  # cancelled or gone: the engine aborts at once
-                    async for out in stream:
+                observed = observe_decode(stream, request.request_id, local_prefill=not request.HasField("kv_handle") or recomputed)
+                async with contextlib.aclosing(observed):  # cancelled or gone: the engine aborts at once
+                    async for out in observed:
                         msg = self._response(out)
                         if recomputed:
                             msg.kv_recomputed, recomputed = True, False
@@ -112,7 +117,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         timeout = self.transfer_timeout_s if time_remaining is None else max(0.001, min(self.transfer_timeout_s, time_remaining))
         block_ids = await self.engine.allocate_blocks(len(handle.block_ids))
         try:
-            await self.receiver.fetch(handle.endpoint, handle.transfer_id, list(handle.block_ids), block_ids, timeout)
+            computed = None
+            if handle.via_store:  # store transfer mode: read from the KV store, recompute what is missing
+                computed = await self.store.load_prompt(handle, prompt, block_ids) if self.store is not None else 0
+            else:
+                with observe_receive(self.transport, handle.endpoint, handle.transfer_id, len(block_ids)) as obs:
+                    obs.nbytes = await self.receiver.fetch(
+                        handle.endpoint, handle.transfer_id, list(handle.block_ids), block_ids, timeout
+                    )
         except (KVTransferError, TransferNotFound) as exc:  # incl. timeout, unreachable, checksum mismatch
             self.engine.free_blocks(block_ids)
             if self.transfer_failure == "error":
@@ -124,7 +136,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             self.engine.free_blocks(block_ids)
             raise
         try:
-            return self.engine.decode_prefilled(request.request_id, prompt, params, request.first_token_id, block_ids), False
+            return self.engine.decode_prefilled(request.request_id, prompt, params, request.first_token_id, block_ids, computed), False
         except BaseException:
             self.engine.free_blocks(block_ids)
             raise
@@ -170,4 +182,6 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             grpc_bytes_received=self.grpc_bytes.bytes_received,
             grpc_bytes_sent=self.grpc_bytes.bytes_sent,
         )
+        if self.store is not None:
+            counters.update(self.store.stats())
         return common_pb2.GetStatsResponse(counters=counters)

@@ -10,6 +10,7 @@ import asyncio
 import logging
 from typing import Callable
 
+from splitserve.telemetry.metrics import KV_LEASES_EXPIRED
 from splitserve.transfer.base import KVSender
 
 logger = logging.getLogger(__name__)
@@ -40,6 +41,7 @@ class KVLeases:
         if self._sender.unregister(transfer_id):
             logger.warning("KV lease expired for transfer %s: no decode worker pulled it", transfer_id)
             self.expired += 1
+            KV_LEASES_EXPIRED.inc()
             self._drop(transfer_id)
 
     def release(self, transfer_id: str) -> bool:

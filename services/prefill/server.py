@@ -14,11 +14,14 @@ import grpc
 from pd.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 
 from splitserve.services.prefill.kv_leases import KVLeases
+from splitserve.services.prefill.kv_store import PrefillStore
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.errors import InvalidRequest, PdError
+from splitserve.kvstore.kv_blocks import tail_key
 from splitserve.rpc.convert import FINISH_TO_PROTO, layout_to_proto, sampling_from_proto
 from splitserve.rpc.stats import GrpcByteCounter
 from splitserve.rpc.status import abort_with
+from splitserve.telemetry.workers import observe_prefill
 from splitserve.transfer.base import KVSender
 
 logger = logging.getLogger(__name__)
@@ -27,9 +30,11 @@ MAX_REQUEST_ID_LEN = 256
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
     def __init__(
-        self, engine: AsyncEngine, sender: KVSender, transport: str, lease_s: float, advertise: str | None = None
+        self, engine: AsyncEngine, sender: KVSender, transport: str, lease_s: float, store: PrefillStore | None = None,
+        advertise: str | None = None,
     ) -> None:
         self.engine = engine
+        self.store = store
         self.sender = sender
         self.transport = transport
         self.lease_s = lease_s
@@ -54,7 +59,13 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             params = sampling_from_proto(request.sampling)
             if not request.prompt_token_ids:
                 raise InvalidRequest("prompt_token_ids is empty")
-            out = await self.engine.prefill(request_id, list(request.prompt_token_ids), params)
+            prompt = list(request.prompt_token_ids)
+            with observe_prefill(request_id, len(prompt)) as obs:
+                if self.store is not None:
+                    out = await self.store.prefill(request_id, prompt, params)
+                else:
+                    out = await self.engine.prefill(request_id, prompt, params)
+                obs.done(out.cached_tokens, out.finish_reason)
         except PdError as exc:
             await abort_with(context, exc)
         finally:
@@ -68,7 +79,17 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         )
         if out.block_ids is not None:
             transfer_id = uuid.uuid4().hex
-            self.leases.hold(transfer_id, out.block_ids)
+            via_store = False
+            if self.store is not None:
+                try:
+                    via_store = await self.store.publish(prompt, out, transfer_id)
+                except BaseException:
+                    self.engine.free_blocks(out.block_ids)
+                    raise
+            if via_store:
+                self.engine.free_blocks(out.block_ids)  # the store write holds its own reference
+            else:
+                self.leases.hold(transfer_id, out.block_ids)
             response.kv_handle.CopyFrom(
                 common_pb2.KVHandle(
                     request_id=request_id,
@@ -79,6 +100,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                     endpoint=self.endpoint,
                     block_ids=out.block_ids,
                     lease_ms=int(self.lease_s * 1000),
+                    via_store=via_store,
+                    store_tail_key=tail_key(transfer_id) if via_store and len(prompt) % self.engine.layout.block_size else "",
                 )
             )
         return self.grpc_bytes.sent(response)
@@ -104,4 +127,6 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             grpc_bytes_received=self.grpc_bytes.bytes_received,
             grpc_bytes_sent=self.grpc_bytes.bytes_sent,
         )
+        if self.store is not None:
+            counters.update(self.store.stats())
         return common_pb2.GetStatsResponse(counters=counters)

@@ -42,6 +42,7 @@ from splitserve.rpc.convert import FINISH_FROM_PROTO, layout_from_proto, samplin
 from splitserve.rpc.server import channel
 from splitserve.rpc.status import error_from_rpc
 from splitserve.rpc.tls import TlsConfig
+from splitserve.telemetry.metrics import DISAGG_DECISIONS
 
 logger = logging.getLogger(__name__)
 
@@ -148,6 +149,7 @@ class DisaggregatedBackend:
             if finish is not None or not resp.HasField("kv_handle"):
                 yield TokenEvent([resp.first_token_id], finish or "stop", resp.cached_tokens)
                 return
+            DISAGG_DECISIONS.labels("remote_prefill").inc()
             decode_request = decode_pb2.DecodeRequest(
                 request_id=request_id, prompt_token_ids=prompt_token_ids, sampling=sampling,
                 kv_handle=resp.kv_handle, first_token_id=resp.first_token_id,

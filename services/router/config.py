@@ -20,8 +20,12 @@ class RouterConfig:
     grpc_port: int = 50050
     served_model_name: str | None = None
     prefill_timeout_s: float = 60.0  # liveness guard of one prefill call (a hung worker is retried elsewhere)
-    prefill_attempts: int = 2  # distinct prefill workers tried per request
-    decode_attempts: int = 2  # distinct decode workers tried while no decode token has arrived
+    policy: str = "round_robin"  # round_robin | least_loaded | prefix_aware
+    disagg: str = "always"  # always | auto | <uncached-token threshold>
+    poll_interval_s: float = 1.0  # worker heartbeat (health + stats poll) period
+    miss_limit: int = 2  # missed heartbeats before a worker leaves rotation
+    prefill_attempts: int = 2  # distinct prefill workers tried before local prefill on the decode worker
+    decode_attempts: int = 2  # distinct decode workers tried before the stream starts
     local_prefill_fallback: bool = True  # all prefill attempts failed: the decode worker prefills
     request_timeout_s: float | None = None  # deadline of each HTTP request; None = none (gRPC: the caller's)
     api_key: str | None = None  # Bearer key for the HTTP API and RouterService; None = open
@@ -30,10 +34,16 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if not self.prefill or not self.decode:
             raise ValueError("the router needs at least one --prefill and one --decode worker address")
+        from splitserve.services.router.policies import POLICIES
+
         if self.prefill_timeout_s <= 0:
             raise ValueError(f"prefill_timeout_s must be > 0, got {self.prefill_timeout_s}")
-        if self.prefill_attempts < 1 or self.decode_attempts < 1:
-            raise ValueError("prefill_attempts and decode_attempts must be >= 1")
+        if self.policy not in POLICIES:
+            raise ValueError(f"--policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if self.disagg not in ("always", "auto") and not self.disagg.isdigit():
+            raise ValueError(f"--disagg must be 'always', 'auto' or a token count, got {self.disagg!r}")
+        if self.poll_interval_s <= 0 or self.miss_limit < 1 or self.prefill_attempts < 1 or self.decode_attempts < 1:
+            raise ValueError("--poll-interval-s must be > 0; --miss-limit and the attempt counts >= 1")
         if self.request_timeout_s is not None and self.request_timeout_s <= 0:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
 
@@ -57,6 +67,11 @@ def parse(argv: list[str] | None = None) -> RouterConfig:
     ap.add_argument("--http-port", type=int, default=int(env("PD_HTTP_PORT", "8000")))
     ap.add_argument("--grpc-port", type=int, default=int(env("PD_GRPC_PORT", "50050")))
     ap.add_argument("--prefill-timeout-s", type=float, default=float(env("PD_PREFILL_TIMEOUT_S", "60")))
+    ap.add_argument("--policy", default=env("PD_ROUTING_POLICY", "round_robin"), help="round_robin | least_loaded | prefix_aware")
+    ap.add_argument("--disagg", default=env("PD_DISAGG", "always"),
+                    help="always (remote prefill), auto (measured cost model), or N: prefill prompts with < N uncached tokens on the decode worker")
+    ap.add_argument("--poll-interval-s", type=float, default=float(env("PD_POLL_INTERVAL_S", "1.0")), help="worker heartbeat period")
+    ap.add_argument("--miss-limit", type=int, default=int(env("PD_MISS_LIMIT", "2")), help="missed heartbeats before a worker is marked down")
     ap.add_argument("--prefill-attempts", type=int, default=int(env("PD_PREFILL_ATTEMPTS", "2")))
     ap.add_argument("--decode-attempts", type=int, default=int(env("PD_DECODE_ATTEMPTS", "2")))
     ap.add_argument("--local-prefill-fallback", action=argparse.BooleanOptionalAction,
@@ -71,6 +86,7 @@ def parse(argv: list[str] | None = None) -> RouterConfig:
     return RouterConfig(
         model=a.model, prefill=a.prefill, decode=a.decode, host=a.host, http_port=a.http_port,
         grpc_port=a.grpc_port, served_model_name=a.served_model_name, prefill_timeout_s=a.prefill_timeout_s,
+        policy=a.policy, disagg=a.disagg.strip().lower(), poll_interval_s=a.poll_interval_s, miss_limit=a.miss_limit,
         prefill_attempts=a.prefill_attempts, decode_attempts=a.decode_attempts,
         local_prefill_fallback=a.local_prefill_fallback, request_timeout_s=a.request_timeout_s,
         api_key=a.api_key, tls=tls_config(a),

@@ -22,18 +22,20 @@ from splitserve.frontend.backend import GenerationBackend
 from splitserve.frontend.pipeline import generate_text
 from splitserve.rpc.convert import FINISH_TO_PROTO, sampling_from_proto
 from splitserve.rpc.status import abort_with
+from splitserve.telemetry.requests import observe_request
 
 DEFAULT_MAX_TOKENS = 16
 MAX_STOP_STRINGS = 4
 
 
 class RouterServicer(router_pb2_grpc.RouterServiceServicer):
-    def __init__(self, backend: GenerationBackend, tokenizer, max_model_len: int) -> None:
+    def __init__(self, backend: GenerationBackend, tokenizer, max_model_len: int, model_name: str = "") -> None:
         self.backend = backend
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = tokenizer.hf.get_vocab_size(with_added_tokens=True)
         self.streams_open = 0
+        self.model_name = model_name  # for telemetry
 
     def _prompt_ids(self, request: router_pb2.GenerateRequest) -> list[int]:
         which = request.WhichOneof("input")
@@ -70,7 +72,10 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             deadline = deadline_after(context.time_remaining())
             completion_tokens = 0
             cached = 0
-            deltas = generate_text(self.backend, self.tokenizer, request_id, prompt_ids, params, list(request.stop), deadline)
+            deltas = observe_request(
+                generate_text(self.backend, self.tokenizer, request_id, prompt_ids, params, list(request.stop), deadline),
+                model=self.model_name, request_id=request_id, prompt_tokens=len(prompt_ids), params=params,
+            )
             async with contextlib.aclosing(deltas):  # closed (aborting the request) even if this handler is dropped
                 async for delta in deltas:
                     completion_tokens += len(delta.token_ids)

@@ -8,13 +8,16 @@ import logging
 import uvicorn
 from pd.v1 import router_pb2, router_pb2_grpc
 
-from splitserve.services.router.backend import DisaggregatedBackend, RetryPolicy
+from splitserve.services.router.routing import build_backend, workers_route
 from splitserve.services.router.config import RouterConfig, parse
 from splitserve.services.router.grpc_api import RouterServicer
 from splitserve.frontend.http_app import build_app
 from splitserve.logs import setup_logging
 from splitserve.rpc.server import bind, create_server, set_serving, stop_event_on_signals
 from splitserve.served_model import load_served_model
+from splitserve.telemetry.asgi import instrument_app, metrics_route
+from splitserve.telemetry.interceptors import untraced
+from splitserve.telemetry.tracing import setup_tracing
 
 logger = logging.getLogger("splitserve.router")
 SERVICE = router_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name
@@ -22,13 +25,16 @@ SERVICE = router_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name
 
 async def serve(config: RouterConfig) -> None:
     served = load_served_model(config.model, config.served_model_name)
-    retry = RetryPolicy(config.prefill_attempts, config.decode_attempts, config.local_prefill_fallback)
-    backend = DisaggregatedBackend(list(config.prefill), list(config.decode), config.prefill_timeout_s, tls=config.tls, retry=retry)
+    backend = build_backend(config)  # registry + policy + conditional disaggregation + failover (+ deadlines)
+    backend.start()
     server, health = create_server(api_key=config.api_key, protected_services=[SERVICE])
-    router_pb2_grpc.add_RouterServiceServicer_to_server(RouterServicer(backend, served.tokenizer, served.max_model_len), server)
+    router_pb2_grpc.add_RouterServiceServicer_to_server(RouterServicer(backend, served.tokenizer, served.max_model_len, served.name), server)
     grpc_port = bind(server, config.host, config.grpc_port, config.tls)
     await server.start()
-    app = build_app(served, backend, api_key=config.api_key, request_timeout_s=config.request_timeout_s)
+    app = instrument_app(build_app(  # /metrics; HTTP spans if tracing
+        served, backend, extra_routes=[metrics_route("frontend", "router"), workers_route(backend)],
+        api_key=config.api_key, request_timeout_s=config.request_timeout_s,
+    ))
     http = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.http_port, log_level="warning", lifespan="off"))
     http.install_signal_handlers = lambda: None  # signals are ours (stop_event_on_signals)
     http_task = asyncio.create_task(http.serve())
@@ -37,7 +43,8 @@ async def serve(config: RouterConfig) -> None:
     if http_task.done():
         await server.stop(0)
         raise SystemExit(f"router: HTTP server failed to start on {config.host}:{config.http_port}")
-    layout_check = asyncio.create_task(backend.check_layouts())  # workers may still be starting
+    with untraced():  # start-up polling, not request traffic: no error spans while workers start
+        layout_check = asyncio.create_task(backend.check_layouts())  # workers may still be starting
     await set_serving(health, [SERVICE])
     logger.info(
         "router ready: http http://%s:%d/v1, grpc %s:%d%s, model %s, prefill %s, decode %s%s",
@@ -58,6 +65,7 @@ async def serve(config: RouterConfig) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     setup_logging("router")
+    setup_tracing("splitserve-router")
     asyncio.run(serve(parse(argv)))
 
 

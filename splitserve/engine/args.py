@@ -15,9 +15,17 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--block-size", type=int, default=int(env("PD_BLOCK_SIZE", "16")), help="tokens per KV block")
     ap.add_argument("--kv-cache-mb", type=int, default=int(env("PD_KV_CACHE_MB", "256")), help="KV pool size, MiB")
     ap.add_argument("--max-num-seqs", type=int, default=int(env("PD_MAX_NUM_SEQS", "64")))
+    ap.add_argument("--max-num-batched-tokens", type=int, default=int(env("PD_MAX_NUM_BATCHED_TOKENS", "4096")),
+                    help="prompt tokens per prefill batch; with --enable-chunked-prefill, tokens per step (budget)")
+    ap.add_argument("--enable-chunked-prefill", action="store_true",
+                    default=env("PD_ENABLE_CHUNKED_PREFILL", "0").lower() in ("1", "true", "yes"),
+                    help="mix running decodes and prompt chunks in each step (Sarathi-style token budget)")
     ap.add_argument("--torch-threads", type=int, default=int(env("PD_TORCH_THREADS", "1")))
     ap.add_argument("--transport", default=env("PD_KV_TRANSPORT", "ucx"), choices=["ucx", "inproc"])
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(block_size=args.block_size, kv_cache_mb=args.kv_cache_mb, max_num_seqs=args.max_num_seqs)
+    return EngineConfig(
+        block_size=args.block_size, kv_cache_mb=args.kv_cache_mb, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, enable_chunked_prefill=args.enable_chunked_prefill,
+    )

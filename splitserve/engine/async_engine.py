@@ -28,7 +28,8 @@ class EngineConfig:
     block_size: int = 16  # tokens per KV block
     kv_cache_mb: int = 256  # size of the preallocated KV pool, MiB
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 4096
+    max_num_batched_tokens: int = 4096  # prompt tokens per prefill batch; with chunking, tokens per step
+    enable_chunked_prefill: bool = False  # Sarathi-style: decodes + prompt chunks share each step
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.kv_cache_mb < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
@@ -52,7 +53,11 @@ class AsyncEngine:
         self.kv_cache = self.layout.allocate_cache(num_blocks)
         self.block_manager = BlockManager(num_blocks)
         sched = Scheduler(
-            SchedulerConfig(config.block_size, config.max_num_seqs, max(config.max_num_batched_tokens, self.max_model_len), self.max_model_len),
+            SchedulerConfig(
+                config.block_size, config.max_num_seqs,
+                config.max_num_batched_tokens if config.enable_chunked_prefill else max(config.max_num_batched_tokens, self.max_model_len),
+                self.max_model_len, chunked_prefill=config.enable_chunked_prefill,
+            ),
             self.block_manager,
             lm.eos_token_ids,
         )
@@ -128,45 +133,83 @@ class AsyncEngine:
         self._validate(prompt_token_ids)
         return self._stream(Sequence(request_id, list(prompt_token_ids), params, SeqMode.GENERATE))
 
-    async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestOutput:
+    async def prefill(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+        cached_block_ids: list[int] | None = None, num_cached_tokens: int = 0,
+    ) -> RequestOutput:
         """Run prefill; returns the first token. Unless ``finish_reason`` is set, ``block_ids`` holds the
-        prompt's KV and the caller owns those blocks (``free_blocks`` when done). Cancel-safe."""
-        self._validate(prompt_token_ids)
+        prompt's KV and the caller owns those blocks (``free_blocks`` when done). Cancel-safe.
+
+        ``cached_block_ids`` (from ``allocate_blocks``, ownership passes to the engine, freed on any
+        error) already hold the K/V of the first ``num_cached_tokens`` prompt tokens (e.g. read from the
+        KV store); only the rest is computed. ``num_cached_tokens`` must be below the prompt length (the
+        last prompt token is always computed: its logits give the first token). Raises InvalidRequest.
+        """
+        cached = list(cached_block_ids or [])
         seq = Sequence(request_id, list(prompt_token_ids), params, SeqMode.PREFILL_ONLY)
+        try:
+            self._validate(prompt_token_ids)
+            self._check_cached(len(prompt_token_ids) - 1, cached, num_cached_tokens)
+        except BaseException:
+            if cached:
+                self.core.free(cached)
+            raise
+        seq.block_table = cached
+        seq.num_computed_tokens = seq.cached_tokens = num_cached_tokens
         async for out in self._stream(seq):
             return out
         raise RuntimeError("prefill produced no output")
 
+    def _check_cached(self, max_tokens: int, block_ids: list[int], num_tokens: int) -> None:
+        bs = self.config.block_size
+        if not 0 <= num_tokens <= max_tokens or num_tokens > len(block_ids) * bs:
+            raise InvalidRequest(f"{num_tokens} cached tokens in {len(block_ids)} blocks of {bs}: out of range (at most {max_tokens})")
+        if any(not 0 <= b < self.num_blocks for b in block_ids) or len(set(block_ids)) != len(block_ids):
+            raise InvalidRequest("cached block ids out of range or repeated")
+
     def decode_prefilled(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, first_token_id: int, block_ids: list[int]
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, first_token_id: int, block_ids: list[int],
+        num_computed_tokens: int | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Continue a request whose prompt KV is already in ``block_ids`` (ownership passes to the engine
-        once the returned stream is first iterated; raising here leaves them with the caller)."""
+        once the returned stream is first iterated; raising here leaves them with the caller).
+
+        ``num_computed_tokens`` (default: the whole prompt) prompt tokens have K/V in the blocks; the first
+        step then computes the remaining prompt tokens together with ``first_token_id`` (e.g. the part of
+        a prompt that could not be read from the KV store)."""
         self._validate(prompt_token_ids)
         if not 0 <= first_token_id < self.lm.config.vocab_size:
             raise InvalidRequest(f"first_token_id {first_token_id} is outside the vocabulary [0, {self.lm.config.vocab_size})")
+        n = len(prompt_token_ids) if num_computed_tokens is None else num_computed_tokens
+        self._check_cached(len(prompt_token_ids), block_ids, n)
         seq = Sequence(request_id, list(prompt_token_ids), params, SeqMode.DECODE_PREFILLED)
         seq.output_token_ids = [first_token_id]
         seq.block_table = list(block_ids)
-        seq.num_computed_tokens = len(prompt_token_ids)
+        seq.num_computed_tokens = n
         return self._stream(seq)
 
     async def allocate_blocks(self, num_blocks: int) -> list[int]:
-        """Reserve KV blocks (e.g. to receive a transfer into). Raises CapacityExhausted. Cancel-safe: blocks
-        allocated for a caller that was cancelled meanwhile are freed."""
+        """Reserve KV blocks (e.g. to receive a transfer into). Raises CapacityExhausted.
+
+        Cancel-safe: blocks allocated for a caller that was cancelled meanwhile are freed."""
         fut = self.core.allocate(num_blocks)
         try:
-            return await asyncio.wrap_future(fut)
+            return await asyncio.shield(asyncio.wrap_future(fut))
         except asyncio.CancelledError:
-            fut.add_done_callback(self._free_unclaimed)
+            fut.add_done_callback(self._free_if_allocated)
             raise
 
-    def _free_unclaimed(self, fut) -> None:
+    def _free_if_allocated(self, fut) -> None:
         if not fut.cancelled() and fut.exception() is None:
             self.core.free(fut.result())
 
     def free_blocks(self, block_ids: list[int]) -> None:
         self.core.free(block_ids)
+
+    def incref_blocks(self, block_ids: list[int]) -> None:
+        """One more reference on blocks the caller owns (e.g. while they are written to the KV store);
+        each reference is dropped by one ``free_blocks``."""
+        self.core.incref(block_ids)
 
     async def stats(self) -> dict[str, float]:
         def read() -> dict[str, float]:

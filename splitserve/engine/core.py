@@ -75,6 +75,11 @@ class EngineCore:
     def free(self, block_ids: list[int]) -> None:
         self._commands.put(("free", list(block_ids)))
 
+    def incref(self, block_ids: list[int]) -> None:
+        """Take one more reference on allocated blocks (commands apply in order, so an incref queued
+        before a free always takes effect first); drop it with :meth:`free`."""
+        self._commands.put(("incref", list(block_ids)))
+
     def call(self, fn: Callable[[], object]) -> concurrent.futures.Future:
         """Run ``fn`` on the engine thread (e.g. to read counters consistently)."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
@@ -100,7 +105,10 @@ class EngineCore:
         except queue.Empty:
             return
         while item is not None:
-            self._apply(item)
+            try:
+                self._apply(item)
+            except Exception:  # a bad command (e.g. a double free) is that caller's bug, not every request's
+                logger.exception("engine command %s failed", item[0])
             try:
                 item = self._commands.get_nowait()
             except queue.Empty:
@@ -115,6 +123,8 @@ class EngineCore:
             self.scheduler.abort(arg)
         elif kind == "free":
             self.block_manager.free(arg)
+        elif kind == "incref":
+            self.block_manager.incref(arg)
         elif kind == "allocate":
             num_blocks, fut = arg
             if not fut.set_running_or_notify_cancel():  # the caller gave up: allocate nothing
@@ -133,12 +143,13 @@ class EngineCore:
                 fut.set_exception(exc)
 
     def _step(self) -> None:
-        seqs, is_prefill = self.scheduler.schedule()
+        seqs, _ = self.scheduler.schedule()
         if not seqs:
             if self.scheduler.waiting and not self.scheduler.running:
                 self._reject_unschedulable()
             return
-        num_new = sum(s.num_new_tokens for s in seqs)
+        num_prefill = sum(s.num_step_tokens for s in seqs if s.num_computed_tokens < len(s.prompt_token_ids))
+        num_decode = sum(s.num_step_tokens for s in seqs) - num_prefill
         try:
             token_ids = self.runner.execute(seqs)
         except Exception as exc:
@@ -146,13 +157,12 @@ class EngineCore:
             self._fail(seqs, exc)
             return
         self.num_steps += 1
-        if is_prefill:
-            self.num_prefill_tokens += num_new
-        else:
-            self.num_decode_tokens += num_new
+        self.num_prefill_tokens += num_prefill
+        self.num_decode_tokens += num_decode
+        sampled = [(s, t) for s, t in zip(seqs, token_ids) if not s.is_partial_prefill]  # chunks sample nothing
         finished = {id(s) for s in self.scheduler.postprocess(seqs, token_ids)}
         outputs = []
-        for seq, token_id in zip(seqs, token_ids):
+        for seq, token_id in sampled:
             done = id(seq) in finished
             out = RequestOutput(seq.request_id, [token_id], seq.finish_reason if done else None, cached_tokens=seq.cached_tokens)
             if done and seq.mode is SeqMode.PREFILL_ONLY:
@@ -168,6 +178,9 @@ class EngineCore:
         from splitserve.errors import CapacityExhausted
 
         seq = self.scheduler.waiting.popleft()
+        if seq.block_table:  # e.g. prefix blocks loaded from the KV store
+            self.block_manager.free(seq.block_table)
+            seq.block_table = []
         msg = f"request {seq.request_id} needs more KV blocks than the pool has ({self.block_manager.num_blocks})"
         self._emit([RequestOutput(seq.request_id, [], "abort", error=CapacityExhausted(msg))])
 

@@ -18,7 +18,8 @@ class ModelRunner:
         self.block_size = block_size
 
     def execute(self, seqs: list[Sequence]) -> list[int]:
-        """One forward over ``seqs`` (each feeds ``token_ids[num_computed_tokens:]``); returns one sampled token per sequence."""
+        """One forward over ``seqs`` (each feeds ``num_step_tokens`` tokens from ``num_computed_tokens``);
+        returns one sampled token per sequence (meaningless for a partial prefill chunk)."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -26,7 +27,8 @@ class ModelRunner:
         query_lens: list[int] = []
         seq_lens: list[int] = []
         for seq in seqs:
-            start, end = seq.num_computed_tokens, seq.num_tokens
+            start = seq.num_computed_tokens
+            end = start + seq.num_step_tokens
             input_ids += seq.token_ids[start:end]
             positions += range(start, end)
             table = seq.block_table

@@ -5,6 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+GREEDY_TEMPERATURE = 1e-5
+_INT32_MAX = 2**31 - 1
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How the next token is chosen and when generation stops.
@@ -33,13 +37,13 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if not isinstance(self.max_tokens, int) or not 1 <= self.max_tokens <= _INT32_MAX:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not (0.0 <= self.temperature <= 100.0) or self.temperature != self.temperature:
             raise ValueError(f"temperature must be in [0, 100], got {self.temperature!r}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        if not isinstance(self.top_k, int) or not -1 <= self.top_k <= _INT32_MAX:
             raise ValueError(f"top_k must be -1, 0 or a positive integer, got {self.top_k!r}")
         if self.seed is not None and not (0 <= self.seed < 2**63):
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed!r}")
@@ -48,4 +52,6 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperatures below 1e-5 are greedy (as vLLM's _SAMPLING_EPS): dividing logits by a tinier one
+        overflows float32 to inf/NaN probabilities."""
+        return self.temperature < GREEDY_TEMPERATURE

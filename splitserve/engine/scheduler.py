@@ -1,10 +1,18 @@
 """Continuous-batching scheduler (plain Python, no torch).
 
-Each step is either a prefill batch (waiting requests, packed up to ``max_num_batched_tokens``)
-or a decode batch (every running request, one token each). Prefill goes first, as in vLLM's v0
-scheduler and nano-vllm; new requests therefore join the running batch between steps and
-finished ones leave and free their KV blocks. When the KV pool runs out during decode the most
-recently admitted request is preempted (blocks freed, recomputed later).
+Default (unchunked): each step is either a prefill batch (waiting requests, packed up to
+``max_num_batched_tokens``) or a decode batch (every running request, one token each). Prefill goes
+first, as in vLLM's v0 scheduler and nano-vllm; new requests therefore join the running batch
+between steps and finished ones leave and free their KV blocks. When the KV pool runs out during
+decode the most recently admitted request is preempted (blocks freed, recomputed later).
+
+Chunked prefill (``chunked_prefill=True``, Sarathi-Serve / vLLM v1 style): every step has a budget
+of ``max_num_batched_tokens`` tokens. Running requests come first (one token per decode, then the
+next chunk of each partly prefilled prompt), then waiting requests are admitted with a chunk of their prompt
+as long as budget is left. A long prompt therefore shares each step with the running decodes
+instead of stalling them for its whole prefill. KV blocks for the whole prompt are reserved at
+admission, as in the unchunked path, so a chunked prompt never has to be preempted for its own
+blocks. A step that ends a prompt's last chunk samples its first token; earlier chunks sample nothing.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ class SchedulerConfig:
     max_num_seqs: int = 64  # most requests in one decode batch
     max_num_batched_tokens: int = 4096  # most prompt tokens in one prefill batch
     max_model_len: int = 512  # prompt + output tokens
+    chunked_prefill: bool = False  # mix decodes and prompt chunks in one step (token budget above)
 
 
 class Scheduler:
@@ -65,7 +74,13 @@ class Scheduler:
             seq.block_table = []
 
     def schedule(self) -> tuple[list[Sequence], bool]:
-        """Pick the next batch; returns (sequences, is_prefill)."""
+        """Pick the next batch; returns (sequences, has_prefill_tokens).
+
+        With chunked prefill a batch may mix decodes and prompt chunks; each sequence's
+        ``num_scheduled_tokens`` then says how many of its new tokens this step feeds.
+        """
+        if self.config.chunked_prefill:
+            return self._schedule_chunked()
         batch: list[Sequence] = []
         num_tokens = 0
         while self.waiting and len(self.running) + len(batch) < self.config.max_num_seqs:
@@ -99,21 +114,60 @@ class Scheduler:
             scheduled.append(seq)
         return scheduled
 
+    def _schedule_chunked(self) -> tuple[list[Sequence], bool]:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[Sequence] = []
+        pending = sorted(self.running, key=lambda s: s.num_new_tokens > 1)  # decodes first, then prompt chunks
+        while pending and budget > 0:
+            seq = pending.pop(0)
+            n = min(seq.num_new_tokens, budget)
+            need = self._blocks_needed(seq)
+            while not self.block_manager.can_allocate(need) and pending:
+                self._preempt(pending.pop())
+            if not self.block_manager.can_allocate(need):
+                self._preempt(seq)
+                continue
+            seq.block_table += self.block_manager.allocate(need)
+            seq.num_scheduled_tokens = n
+            scheduled.append(seq)
+            budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            need = self._blocks_needed(seq)
+            if not self.block_manager.can_allocate(need):
+                break
+            self.waiting.popleft()
+            seq.block_table += self.block_manager.allocate(need)
+            seq.status = SeqStatus.RUNNING
+            seq.num_scheduled_tokens = min(seq.num_new_tokens, budget)
+            self.running.append(seq)
+            scheduled.append(seq)
+            budget -= seq.num_scheduled_tokens
+        has_prefill = any(s.num_computed_tokens < len(s.prompt_token_ids) for s in scheduled)
+        return scheduled, has_prefill
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.block_manager.free(seq.block_table)
         seq.block_table = []
         seq.num_computed_tokens = 0
+        seq.num_scheduled_tokens = 0
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
 
     def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
         """Append sampled tokens, apply stop rules, free finished requests; returns the finished ones.
 
-        A finished PREFILL_ONLY sequence keeps its blocks: ownership passes to the caller.
+        A finished PREFILL_ONLY sequence keeps its blocks: ownership passes to the caller. A
+        partial prefill chunk only advances ``num_computed_tokens`` (its sampled token is dropped).
         """
         finished = []
         for seq, token_id in zip(seqs, token_ids):
+            if seq.is_partial_prefill:
+                seq.num_computed_tokens += seq.num_step_tokens
+                seq.num_scheduled_tokens = 0
+                continue
+            seq.num_scheduled_tokens = 0
             seq.num_computed_tokens = seq.num_tokens
             seq.output_token_ids.append(token_id)
             reason = self._stop_reason(seq, token_id)

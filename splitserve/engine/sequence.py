@@ -26,7 +26,8 @@ class Sequence:
 
     ``num_computed_tokens`` tokens of ``token_ids`` (prompt + outputs) have K/V in the cache;
     the next forward feeds ``token_ids[num_computed_tokens:]`` (the whole prompt at prefill,
-    the last sampled token at decode).
+    the last sampled token at decode), or only its first ``num_scheduled_tokens`` when the
+    scheduler set that (a chunk of a chunked prefill).
     """
 
     request_id: str
@@ -39,6 +40,7 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None
     cached_tokens: int = 0
+    num_scheduled_tokens: int = 0  # tokens fed by the current step (0 = all new tokens)
 
     @property
     def token_ids(self) -> list[int]:
@@ -51,3 +53,13 @@ class Sequence:
     @property
     def num_new_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def num_step_tokens(self) -> int:
+        """Tokens the current step feeds: ``num_scheduled_tokens`` if set, else all new tokens."""
+        return self.num_scheduled_tokens or self.num_new_tokens
+
+    @property
+    def is_partial_prefill(self) -> bool:
+        """True when the current step feeds a chunk that leaves prompt tokens uncomputed (nothing is sampled)."""
+        return self.num_computed_tokens + self.num_step_tokens < self.num_tokens

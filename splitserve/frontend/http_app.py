@@ -4,7 +4,8 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/model
 ``GET /health`` (200 when ``backend.ready()``, else 503).
 
 Streaming uses SSE: ``data: {json}\\n\\n`` events ending with ``data: [DONE]``; with
-``stream_options.include_usage`` a last chunk carries usage and empty choices. The first
+``stream_options.include_usage`` a last chunk carries usage and empty choices (with vLLM's
+``continuous_usage_stats`` every chunk also carries the usage so far). The first
 pipeline delta is produced before the response starts, so backend errors raised up to
 then (admission, capacity, prefill) get a real HTTP status and OpenAI error body; an
 error after streaming started becomes an SSE ``data: {"error": {...}}`` event followed by
@@ -43,6 +44,7 @@ from splitserve.frontend.protocol import ChatCompletionRequest, CompletionReques
 from splitserve.frontend.responses import ChatFormatter, CompletionFormatter, Outcome, ResponseFormatter
 from splitserve.frontend.sse import DONE, SSEResponse, cancel_on_disconnect, sse_event
 from splitserve.frontend import validation as v
+from splitserve.telemetry.requests import observe_request
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 """OpenAI's default ``max_tokens`` for ``/v1/completions``."""
@@ -155,7 +157,10 @@ class _OpenAIServer:
         self, request: Request, req: GenerationRequest, prompt_ids: list[int], params: SamplingParams, fmt: ResponseFormatter
     ) -> Response:
         deadline = deadline_after(self.request_timeout_s)
-        deltas = generate_text(self.backend, self.tokenizer, fmt.id, prompt_ids, params, req.stop_list(), deadline)
+        deltas = observe_request(  # request span + TTFT/ITL metrics around the pipeline
+            generate_text(self.backend, self.tokenizer, fmt.id, prompt_ids, params, req.stop_list(), deadline),
+            model=self.info.name, request_id=fmt.id, prompt_tokens=len(prompt_ids), params=params, stream=req.stream,
+        )
         headers = {"x-request-id": fmt.id}
         try:
             finished, first = await cancel_on_disconnect(request.receive, deltas.__anext__)
@@ -168,7 +173,7 @@ class _OpenAIServer:
             await _aclose(deltas)
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         if req.stream:
-            events = _sse_events(deltas, first, fmt, len(prompt_ids), req.include_usage)
+            events = _sse_events(deltas, first, fmt, len(prompt_ids), req.include_usage, req.continuous_usage)
             return SSEResponse(events, headers=headers)
         try:
             finished, outcome = await cancel_on_disconnect(request.receive, lambda: _collect(deltas, first))
@@ -193,7 +198,8 @@ async def _collect(deltas: AsyncIterator[TextDelta], first: TextDelta) -> Outcom
 
 
 async def _sse_events(
-    deltas: AsyncGenerator[TextDelta, None], first: TextDelta, fmt: ResponseFormatter, prompt_tokens: int, include_usage: bool
+    deltas: AsyncGenerator[TextDelta, None], first: TextDelta, fmt: ResponseFormatter, prompt_tokens: int, include_usage: bool,
+    continuous_usage: bool = False,
 ) -> AsyncGenerator[str, None]:
     """SSE event strings for one streamed request; always ends with ``[DONE]``."""
     outcome = Outcome()
@@ -203,7 +209,7 @@ async def _sse_events(
         delta: TextDelta | None = first
         while delta is not None:
             outcome.add(delta)
-            for chunk in fmt.delta_chunks(delta):
+            for chunk in fmt.delta_chunks(delta, outcome.usage(prompt_tokens) if continuous_usage else None):
                 yield sse_event(chunk)
             if delta.finish_reason is not None:
                 break

@@ -18,10 +18,11 @@ MAX_STOP_STRINGS = 4
 
 
 class StreamOptions(BaseModel):
-    """``stream_options``: only ``include_usage`` is supported."""
+    """``stream_options``: ``include_usage`` (OpenAI) and vLLM's ``continuous_usage_stats`` (usage on every chunk)."""
 
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class GenerationRequest(BaseModel):
@@ -82,6 +83,11 @@ class GenerationRequest(BaseModel):
     def include_usage(self) -> bool:
         """Whether a streamed response ends with a usage chunk."""
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Whether every streamed chunk carries the usage so far (vLLM ``continuous_usage_stats``)."""
+        return bool(self.include_usage and self.stream_options.continuous_usage_stats)
 
 
 class CompletionRequest(GenerationRequest):

@@ -57,12 +57,12 @@ class CompletionFormatter:
         """Chunks to send before the first delta (none for completions)."""
         return []
 
-    def delta_chunks(self, delta: TextDelta) -> list[str]:
-        """Chunks for one delta (none when it has neither text nor a finish reason)."""
+    def delta_chunks(self, delta: TextDelta, usage: Usage | None = None) -> list[str]:
+        """Chunks for one delta (none when it has neither text nor a finish reason); ``usage`` rides along if given."""
         if not delta.text and delta.finish_reason is None:
             return []
         choice = CompletionChoice(text=delta.text, finish_reason=delta.finish_reason)
-        return [self._obj([choice]).model_dump_json()]
+        return [self._obj([choice], usage).model_dump_json()]
 
     def usage_chunk(self, usage: Usage) -> str:
         """The final ``include_usage`` chunk (empty choices)."""
@@ -89,13 +89,13 @@ class ChatFormatter:
         """The role chunk OpenAI sends first."""
         return [self._chunk({"role": "assistant", "content": ""})]
 
-    def delta_chunks(self, delta: TextDelta) -> list[str]:
-        """A content chunk (if there is text) and a finish chunk (if finished)."""
+    def delta_chunks(self, delta: TextDelta, usage: Usage | None = None) -> list[str]:
+        """A content chunk (if there is text) and a finish chunk (if finished); ``usage`` rides along if given."""
         out = []
         if delta.text:
-            out.append(self._chunk({"content": delta.text}))
+            out.append(self._chunk({"content": delta.text}, usage=usage))
         if delta.finish_reason is not None:
-            out.append(self._chunk({}, delta.finish_reason))
+            out.append(self._chunk({}, delta.finish_reason, usage))
         return out
 
     def usage_chunk(self, usage: Usage) -> str:
@@ -110,9 +110,9 @@ class ChatFormatter:
             id=self.id, created=self.created, model=self.model, choices=[choice], usage=outcome.usage(prompt_tokens)
         ).model_dump()
 
-    def _chunk(self, delta: dict[str, str], finish_reason: str | None = None) -> str:
+    def _chunk(self, delta: dict[str, str], finish_reason: str | None = None, usage: Usage | None = None) -> str:
         choice = ChatChunkChoice(delta=delta, finish_reason=finish_reason)
-        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice]).model_dump_json()
+        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice], usage=usage).model_dump_json()
 
 
 ResponseFormatter = CompletionFormatter | ChatFormatter

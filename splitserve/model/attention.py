@@ -5,8 +5,10 @@ Cache layout: ``kv_cache[num_blocks, num_layers, 2, block_size, num_kv_heads, he
 
 ``plan_attention`` validates an ``AttentionMetadata`` once per forward and precomputes the gather
 indices; ``paged_attention`` then runs per layer: write the new K/V, attend over the cached context.
-Sequences with one new token (decode) are gathered into one padded batch and served by one SDPA call;
-the others (prefill, prefix-cached prefill) run one SDPA call each with an offset causal mask.
+Sequences with one new token (decode) are gathered into padded batches of similar context length
+(the longest context of a batch at most twice its shortest, so one long sequence does not make every
+short one pay for its length) and each batch is served by one SDPA call; the others (prefill,
+prefix-cached prefill) run one SDPA call each with an offset causal mask.
 """
 
 from __future__ import annotations
@@ -46,16 +48,21 @@ class _Prefill:
 
 
 @dataclass
+class _DecodeGroup:
+    tokens: torch.Tensor  # [B] token index of each batched decode sequence
+    blocks: torch.Tensor  # [B, M]
+    offsets: torch.Tensor  # [B, M]
+    mask: torch.Tensor  # [B, 1, 1, M] bool, True = attend
+
+
+@dataclass
 class AttentionPlan:
     """Per-forward indices derived from AttentionMetadata (shared by all layers)."""
 
     write_blocks: torch.Tensor  # [T]
     write_offsets: torch.Tensor  # [T]
     last_token_index: torch.Tensor  # [num_seqs] index of each sequence's last token in the batch
-    decode_tokens: torch.Tensor | None = None  # [B] token index of each batched decode sequence
-    decode_blocks: torch.Tensor | None = None  # [B, M]
-    decode_offsets: torch.Tensor | None = None  # [B, M]
-    decode_mask: torch.Tensor | None = None  # [B, 1, 1, M] bool, True = attend
+    decode_groups: list[_DecodeGroup] = field(default_factory=list)  # decodes of similar context length
     prefills: list[_Prefill] = field(default_factory=list)
 
 
@@ -129,16 +136,23 @@ def plan_attention(attn: AttentionMetadata, num_tokens: int, kv_cache: torch.Ten
         last_token_index=(torch.tensor(attn.query_lens, dtype=torch.int64).cumsum(0) - 1).to(dev),
         prefills=plan_prefills,
     )
-    if dec_tok:
-        m = max(b.numel() for b, _ in dec_ctx)
-        blocks = torch.zeros(len(dec_tok), m, dtype=torch.int64)
-        offsets = torch.zeros(len(dec_tok), m, dtype=torch.int64)
-        mask = torch.zeros(len(dec_tok), 1, 1, m, dtype=torch.bool)
-        for j, (b, o) in enumerate(dec_ctx):
-            blocks[j, : b.numel()], offsets[j, : o.numel()], mask[j, ..., : b.numel()] = b, o, True
-        plan.decode_tokens = torch.tensor(dec_tok, dtype=torch.int64, device=dev)
-        plan.decode_blocks, plan.decode_offsets, plan.decode_mask = blocks.to(dev), offsets.to(dev), mask.to(dev)
+    order = sorted(range(len(dec_tok)), key=lambda j: dec_ctx[j][0].numel())
+    while order:  # shortest first; a group takes sequences up to twice its shortest context
+        limit = 2 * dec_ctx[order[0]][0].numel()
+        n = next((k for k, j in enumerate(order) if dec_ctx[j][0].numel() > limit), len(order))
+        plan.decode_groups.append(_decode_group([dec_tok[j] for j in order[:n]], [dec_ctx[j] for j in order[:n]], dev))
+        order = order[n:]
     return plan
+
+
+def _decode_group(tokens: list[int], ctx: list[tuple[torch.Tensor, torch.Tensor]], dev: torch.device) -> _DecodeGroup:
+    m = max(b.numel() for b, _ in ctx)
+    blocks = torch.zeros(len(tokens), m, dtype=torch.int64)
+    offsets = torch.zeros(len(tokens), m, dtype=torch.int64)
+    mask = torch.zeros(len(tokens), 1, 1, m, dtype=torch.bool)
+    for j, (b, o) in enumerate(ctx):
+        blocks[j, : b.numel()], offsets[j, : o.numel()], mask[j, ..., : b.numel()] = b, o, True
+    return _DecodeGroup(torch.tensor(tokens, dtype=torch.int64, device=dev), blocks.to(dev), offsets.to(dev), mask.to(dev))
 
 
 def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -160,13 +174,13 @@ def paged_attention(
     groups = q.shape[1] // k.shape[1]
     kv_cache[plan.write_blocks, layer, :, plan.write_offsets] = torch.stack((k, v), dim=1)
     out = torch.empty_like(q)
-    if plan.decode_tokens is not None:
-        ctx = kv_cache[plan.decode_blocks, layer, :, plan.decode_offsets]  # [B, M, 2, Hkv, D]
+    for g in plan.decode_groups:
+        ctx = kv_cache[g.blocks, layer, :, g.offsets]  # [B, M, 2, Hkv, D]
         kc = _expand_kv(ctx[:, :, 0].transpose(1, 2), groups)  # [B, Hq, M, D]
         vc = _expand_kv(ctx[:, :, 1].transpose(1, 2), groups)
-        qd = q[plan.decode_tokens].unsqueeze(2)  # [B, Hq, 1, D]
-        o = F.scaled_dot_product_attention(qd, kc, vc, attn_mask=plan.decode_mask)
-        out[plan.decode_tokens] = o.squeeze(2)
+        qd = q[g.tokens].unsqueeze(2)  # [B, Hq, 1, D]
+        o = F.scaled_dot_product_attention(qd, kc, vc, attn_mask=g.mask)
+        out[g.tokens] = o.squeeze(2)
     for p in plan.prefills:
         qs = q[p.start : p.start + p.qlen].transpose(0, 1).unsqueeze(0)  # [1, Hq, qlen, D]
         if p.ctx_blocks is None:  # all context is new: use k/v directly (identical to the cached copy)

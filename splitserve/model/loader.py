@@ -9,6 +9,7 @@ from splitserve.model.config import DTYPES, ModelConfig, make_model_id
 from splitserve.model.llama import CausalLM, build_model
 from splitserve.model.loader_gguf import load_gguf_file
 from splitserve.model.loader_hf import load_hf_folder
+from splitserve.model.synthetic import SYNTHETIC_PREFIX, is_synthetic, load_synthetic
 from splitserve.model.tokenizer import Tokenizer
 
 
@@ -38,7 +39,8 @@ def load_model(path: str | Path, dtype: str = "float32", *, weights: bool = True
     """Load a Hugging Face model folder or a ``.gguf`` file onto the CPU.
 
     Args:
-        path: HF folder (config.json + *.safetensors + tokenizer.json) or a GGUF file.
+        path: HF folder (config.json + *.safetensors + tokenizer.json), a GGUF file, or
+            ``"synthetic:NAME"`` (seeded random weights for benchmarks, see ``model.synthetic``).
         dtype: "float32" (default), "float16" or "bfloat16" for weights and the KV cache.
         weights: False reads only config, tokenizer and generation settings (no tensors).
     Raises:
@@ -48,6 +50,10 @@ def load_model(path: str | Path, dtype: str = "float32", *, weights: bool = True
     """
     if dtype not in DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; expected one of {sorted(DTYPES)}")
+    if is_synthetic(path):
+        name = str(path)[len(SYNTHETIC_PREFIX):]
+        parts, name = load_synthetic(name, dtype, weights=weights), f"synthetic-{name}"
+        return _loaded(parts, name, weights)
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"model path does not exist: {p}")
@@ -57,6 +63,10 @@ def load_model(path: str | Path, dtype: str = "float32", *, weights: bool = True
         parts, name = load_gguf_file(p, dtype, weights=weights), p.stem
     else:
         raise ValueError(f"{p} is neither a model folder nor a .gguf file")
+    return _loaded(parts, name, weights)
+
+
+def _loaded(parts, name: str, weights: bool) -> LoadedModel:
     model = build_model(parts.config, parts.state_dict) if weights else None
     return LoadedModel(
         config=parts.config,

@@ -13,6 +13,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from splitserve.rpc.interceptors import ApiKeyInterceptor, StrictDecodeInterceptor
 from splitserve.rpc.tls import TlsConfig
+from splitserve.telemetry.interceptors import client_interceptors, server_interceptors
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +72,7 @@ def create_server(
     """An aio server with a health service, message size limits, requests that fail to parse refused
     with INVALID_ARGUMENT, and (with ``api_key``) ``authorization: Bearer <key>`` required on the methods
     of ``protected_services`` (full names, e.g. ``pd.v1.RouterService``)."""
-    interceptors: list[grpc.aio.ServerInterceptor] = []
+    interceptors: list[grpc.aio.ServerInterceptor] = [*server_interceptors()]  # tracing, if set up
     if api_key:
         interceptors.append(ApiKeyInterceptor(api_key, protected_services))
     interceptors.append(StrictDecodeInterceptor())
@@ -111,8 +112,11 @@ def stop_event_on_signals() -> asyncio.Event:
 def channel(address: str, tls: TlsConfig | None = None) -> grpc.aio.Channel:
     """An aio channel to ``address`` with the shared limits; TLS (and a client certificate) when enabled."""
     if tls is not None and tls.enabled:
-        return grpc.aio.secure_channel(address, tls.channel_credentials(), options=[*channel_options(), *tls.channel_options()])
-    return grpc.aio.insecure_channel(address, options=channel_options())
+        return grpc.aio.secure_channel(
+            address, tls.channel_credentials(), options=[*channel_options(), *tls.channel_options()],
+            interceptors=client_interceptors(),
+        )
+    return grpc.aio.insecure_channel(address, options=channel_options(), interceptors=client_interceptors())
 
 
 def insecure_channel(address: str) -> grpc.aio.Channel:

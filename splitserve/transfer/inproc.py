@@ -28,6 +28,7 @@ from splitserve.transfer.common import (
     segments_checksum,
 )
 from splitserve.transfer.layout import KVLayout
+from splitserve.telemetry.transfer import start_send
 
 __all__ = ["InprocKVReceiver", "InprocKVSender"]
 
@@ -161,6 +162,7 @@ class InprocKVReceiver(KVReceiver):
         expected = segments_checksum(src_bytes.numpy(), [(s, n) for s, _d, n in segments], bn) if self._verify else None
         flipped = segments[0][0] * bn if sender._corrupt_sends else None  # noqa: SLF001 - fault injection
         ok = False
+        obs = start_send("inproc", transfer_id, sum(n for _s, _d, n in segments))  # child of the caller's span
         try:
             if flipped is not None:
                 src_bytes[flipped] ^= 0xFF
@@ -176,6 +178,7 @@ class InprocKVReceiver(KVReceiver):
                 sender.stats.transfers_ok += 1
             else:
                 sender.stats.transfers_failed += 1
+            obs.finish(ok, nbytes, None if ok else "copy failed")
             call_on_done(reg, ok)
         if expected is not None:
             got = segments_checksum(self._bytes.numpy(), [(d, n) for _s, d, n in segments], bn)

@@ -85,6 +85,8 @@ from splitserve.transfer.common import (
     segments_checksum,
 )
 from splitserve.transfer.layout import KVLayout
+from splitserve.telemetry.propagation import current_trace_context
+from splitserve.telemetry.transfer import start_send
 
 logger = logging.getLogger("splitserve.transfer.ucx")
 
@@ -126,9 +128,10 @@ class _Posted:
 
     __slots__ = ("_uep", "_worker", "requests", "futures", "_buffers")
 
-    # ucxx hands each request a future from a pool of 100 that its notifier thread refills (to 100 when
-    # below 50); posting more than 100 at once empties it and ucxx warns on every further request.
-    _REFILL_EVERY = 20
+    # ucxx hands each request a future from a pool that its notifier thread refills about once per
+    # completion batch; many transfers posting at once (150 concurrent requests) emptied it, and ucxx's
+    # emergency refill from inside getFuture() then failed and aborted the process. So the pool is topped
+    # up before every post, on the loop thread (a cheap no-op while it is full enough).
 
     def __init__(self, ep) -> None:
         from ucxx._lib.libucxx import UCXCloseError  # noqa: PLC0415
@@ -145,8 +148,7 @@ class _Posted:
         self._buffers: list = []
 
     def _refill(self) -> None:
-        if len(self.requests) % self._REFILL_EVERY == self._REFILL_EVERY - 1:
-            self._worker.populate_python_futures_pool()
+        self._worker.populate_python_futures_pool()
 
     def _add(self, req, buf) -> asyncio.Future:
         fut = req.future
@@ -341,6 +343,7 @@ class UcxKVSender(KVSender):
             logger.warning("KV sender: malformed request, dropping connection: %s", exc)
             return False
         reg: Registration | None = None
+        obs = start_send("ucx", req.transfer_id, sum(n for _s, n in req.runs), req.trace_context)
         if self._closing:
             status, detail = Status.CLOSING, "sender is closing"
         elif req.block_nbytes != self._block_nbytes or req.layout_digest != self._digest:
@@ -368,8 +371,9 @@ class UcxKVSender(KVSender):
                     posted.send(_EMPTY, req.tag_base + 1 + i)
         except Exception as exc:  # endpoint closed or failed while posting
             error = exc
+        refusal = None if status is Status.OK else f"{status.name}: {detail}"
         task = asyncio.get_running_loop().create_task(
-            self._finish(ep, req.transfer_id, posted, error, reg, nbytes, corrupted)
+            self._finish(ep, req.transfer_id, posted, error, reg, nbytes, obs, refusal, corrupted)
         )
         self._serve_tasks[task] = ep
         task.add_done_callback(self._serve_tasks.pop)
@@ -389,9 +393,11 @@ class UcxKVSender(KVSender):
         error: BaseException | None,
         reg: Registration | None,
         nbytes: int,
+        obs,
+        refusal: str | None,
         corrupted: int | None = None,
     ) -> None:
-        """Wait for the posted sends, then report the transfer exactly once."""
+        """Wait for the posted sends, then report the transfer exactly once (and end its span)."""
         ok = False
         futures = posted.futures if posted is not None else []
         try:
@@ -416,6 +422,8 @@ class UcxKVSender(KVSender):
             _consume(futures)
             if corrupted is not None:  # UCX no longer reads the blocks: restore the flipped byte
                 self._bytes[corrupted] ^= 0xFF
+            served = ok and reg is not None
+            obs.finish(served, nbytes, None if served else refusal or "send failed")
             if reg is not None:
                 if ok:
                     self.stats.bytes_sent += nbytes
@@ -567,7 +575,9 @@ class UcxKVReceiver(KVReceiver):
         status_buf = np.zeros(wire.STATUS_BUF_NBYTES, dtype=np.uint8)
         flags = wire.FLAG_CHECKSUM if self._verify else 0
         request = wire.encode_fetch(
-            wire.FetchRequest(tag, bn, self._digest, transfer_id, [(s, n) for s, _d, n in segments], flags)
+            wire.FetchRequest(
+                tag, bn, self._digest, transfer_id, [(s, n) for s, _d, n in segments], current_trace_context(), flags
+            )
         )
         try:
             posted = _Posted(ep)

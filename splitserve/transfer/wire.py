@@ -4,8 +4,13 @@ FETCH request (receiver -> sender, one UCX active message)::
 
     magic "SKV1" | kind u16 (=1) | flags u16 | tag_base u64 | block_nbytes u64 | layout_digest u64
     | nseg u32 | tid_len u16 | reserved u16 | transfer_id (utf-8, tid_len bytes) | nseg x (src_start u32, count u32)
+    [ | ctx_len u16 | trace context (ascii, ctx_len bytes) ]     -- only with flag FLAG_TRACE_CONTEXT
 
-``flags`` bit 0 (:data:`FLAG_CHECKSUM`): the receiver asks for a checksum of the data it will receive.
+The trace context is the receiver's W3C ``traceparent`` (see :mod:`splitserve.telemetry.propagation`),
+so the sender's transfer span joins the request's trace. It is sent only when there is one, so with
+tracing off the message is byte-for-byte the original format.
+
+``flags`` bit 1 (:data:`FLAG_CHECKSUM`): the receiver asks for a checksum of the data it will receive.
 
 STATUS reply (sender -> receiver, one tag message on ``tag_base``)::
 
@@ -31,11 +36,14 @@ FETCH_MAGIC = b"SKV1"
 STATUS_MAGIC = b"SKS1"
 STATUS_CHECKSUM_MAGIC = b"SKS2"
 KIND_FETCH = 1
-FLAG_CHECKSUM = 1
+FLAG_TRACE_CONTEXT = 0x1
+FLAG_CHECKSUM = 0x2
+MAX_TRACE_CONTEXT_BYTES = 512
 
 _FETCH_HDR = struct.Struct("<4sHHQQQIHH")
 _STATUS_HDR = struct.Struct("<4sII")
 _CHECKSUM = struct.Struct("<Q")
+_CTX_LEN = struct.Struct("<H")
 
 #: receive buffer for a STATUS message; details are truncated to fit
 STATUS_BUF_NBYTES = 1024
@@ -56,7 +64,8 @@ class FetchRequest:
     layout_digest: int
     transfer_id: str
     runs: list[tuple[int, int]]  # (src_start, count) per segment, in tag order
-    flags: int = 0  # FLAG_CHECKSUM
+    trace_context: str = ""  # W3C traceparent of the receiver's span, "" for none
+    flags: int = 0  # FLAG_CHECKSUM (FLAG_TRACE_CONTEXT is set by encode_fetch from trace_context)
 
 
 def encode_fetch(req: FetchRequest) -> bytearray:
@@ -65,6 +74,10 @@ def encode_fetch(req: FetchRequest) -> bytearray:
         raise WireError("transfer id too long")
     if len(req.runs) > MAX_SEGMENTS:
         raise WireError("too many segments")
+    ctx = req.trace_context.encode("ascii", errors="replace")
+    if len(ctx) > MAX_TRACE_CONTEXT_BYTES:
+        ctx = b""  # never fail a transfer over tracing
+    flags = FLAG_TRACE_CONTEXT if ctx else 0
     flat = array("I")
     for start, count in req.runs:
         flat.append(start)
@@ -73,11 +86,13 @@ def encode_fetch(req: FetchRequest) -> bytearray:
         flat.byteswap()
     out = bytearray(
         _FETCH_HDR.pack(
-            FETCH_MAGIC, KIND_FETCH, req.flags, req.tag_base, req.block_nbytes, req.layout_digest, len(req.runs), len(tid), 0
+            FETCH_MAGIC, KIND_FETCH, flags | (req.flags & FLAG_CHECKSUM), req.tag_base, req.block_nbytes, req.layout_digest, len(req.runs), len(tid), 0
         )
     )
     out += tid
     out += flat.tobytes()
+    if ctx:
+        out += _CTX_LEN.pack(len(ctx)) + ctx
     return out
 
 
@@ -91,7 +106,19 @@ def decode_fetch(buf) -> FetchRequest:
     if nseg > MAX_SEGMENTS or tid_len > MAX_TID_BYTES:
         raise WireError("fetch request too large")
     off = _FETCH_HDR.size
-    if len(mv) != off + tid_len + 8 * nseg:
+    end = off + tid_len + 8 * nseg
+    ctx = ""
+    if flags & FLAG_TRACE_CONTEXT:
+        if len(mv) < end + _CTX_LEN.size:
+            raise WireError("fetch request length mismatch")
+        (ctx_len,) = _CTX_LEN.unpack_from(mv, end)
+        if ctx_len > MAX_TRACE_CONTEXT_BYTES or len(mv) != end + _CTX_LEN.size + ctx_len:
+            raise WireError("fetch request length mismatch")
+        try:
+            ctx = bytes(mv[end + _CTX_LEN.size :]).decode("ascii")
+        except UnicodeDecodeError:
+            raise WireError("trace context is not ascii") from None
+    elif len(mv) != end:
         raise WireError("fetch request length mismatch")
     try:
         tid = bytes(mv[off : off + tid_len]).decode()
@@ -99,11 +126,11 @@ def decode_fetch(buf) -> FetchRequest:
         raise WireError("transfer id is not utf-8") from None
     off += tid_len
     flat = array("I")
-    flat.frombytes(bytes(mv[off:]))
+    flat.frombytes(bytes(mv[off:end]))
     if sys.byteorder != "little":  # pragma: no cover
         flat.byteswap()
     runs = [(flat[2 * i], flat[2 * i + 1]) for i in range(nseg)]
-    return FetchRequest(tag_base, block_nbytes, digest, tid, runs, flags)
+    return FetchRequest(tag_base, block_nbytes, digest, tid, runs, ctx, flags & FLAG_CHECKSUM)
 
 
 def encode_status(status: Status, detail: str = "", checksum: int | None = None) -> bytearray:

@@ -53,7 +53,7 @@ class KVLayout(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class KVHandle(_message.Message):
-    __slots__ = ("request_id", "transfer_id", "num_tokens", "layout", "transport", "endpoint", "block_ids", "lease_ms")
+    __slots__ = ("request_id", "transfer_id", "num_tokens", "layout", "transport", "endpoint", "block_ids", "lease_ms", "via_store", "store_tail_key")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +62,8 @@ class KVHandle(_message.Message):
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    VIA_STORE_FIELD_NUMBER: _ClassVar[int]
+    STORE_TAIL_KEY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     transfer_id: str
     num_tokens: int
@@ -70,7 +72,9 @@ class KVHandle(_message.Message):
     endpoint: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     lease_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., transport: _Optional[str] = ..., endpoint: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+    via_store: bool
+    store_tail_key: str
+    def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., transport: _Optional[str] = ..., endpoint: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., lease_ms: _Optional[int] = ..., via_store: _Optional[bool] = ..., store_tail_key: _Optional[str] = ...) -> None: ...
 
 class GetKVLayoutRequest(_message.Message):
     __slots__ = ()

@@ -1,0 +1,1 @@
+"""KV store metadata master: pure state machine (``core``) behind a thin gRPC servicer (``server``)."""

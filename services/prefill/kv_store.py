@@ -1,0 +1,153 @@
+"""Prefill with the distributed KV store: reuse cached prefix blocks, publish new ones.
+
+Lifecycle of one request:
+1. Keys of the prompt's full blocks (chained block hashes, ``splitserve.kvstore.block_hash``).
+2. Prefix lookup at the master: the leading run of complete blocks, each with a read lease.
+3. Allocate that many engine blocks and read the objects straight into them over UCX. A block whose read
+   fails, finishes after its lease, or fails its checksum ends the run: everything after it is computed.
+4. ``engine.prefill`` with those blocks and ``num_computed_tokens`` set: only the rest of the prompt is
+   computed (a prompt that is entirely cached still computes its last token, whose logits give the first
+   token). The reused tokens are reported as ``cached_tokens``.
+5. The response goes out at once. The new full blocks are written in the background (two-phase put;
+   keys complete or being written elsewhere are skipped, so concurrent requests with one prefix produce
+   one write). Each block being written carries one extra engine reference until its write finished, so
+   freeing the request's blocks after the decode pull never races the write.
+
+Store transfer mode (``transfer_mode="store"``) adds: the partial last block is written too (under a
+per-transfer tail key), PutStart is awaited before responding (one master round trip, so the decode worker
+finds the blocks PROCESSING rather than missing), and no blocks are held for a direct pull. If that
+PutStart fails the request falls back to the direct pull.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from splitserve.engine.async_engine import AsyncEngine
+from splitserve.engine.core import RequestOutput
+from splitserve.engine.sampling import SamplingParams
+from splitserve.errors import ObjectAlreadyExists, PdError
+from splitserve.kvstore.client import PutTicket
+from splitserve.kvstore.kv_blocks import KVBlockStore, tail_key
+
+logger = logging.getLogger(__name__)
+
+
+class PrefillStore:
+    def __init__(self, engine: AsyncEngine, blocks: KVBlockStore, transfer_mode: str = "direct") -> None:
+        self.engine = engine
+        self.blocks = blocks
+        self.transfer_mode = transfer_mode
+        self.block_size = engine.layout.block_size
+        self._writes: set[asyncio.Task] = set()
+        self.cached_tokens = 0  # prefill tokens not computed thanks to the store
+        self.cached_requests = 0
+
+    async def prefill(self, request_id: str, prompt: list[int], params: SamplingParams) -> RequestOutput:
+        """Steps 1-4: prefill reusing the longest cached prefix. Never fails because of the store."""
+        keys = self.blocks.keys(prompt)
+        hits = await self.blocks.lookup_prefix(keys)
+        loaded: list[int] = []
+        if hits:
+            try:
+                block_ids = await self.engine.allocate_blocks(len(hits))
+            except PdError:  # the pool is short: compute everything
+                block_ids = []
+            if block_ids:
+                try:
+                    n = await self.blocks.load(hits[: len(block_ids)], block_ids)
+                except BaseException:
+                    self.engine.free_blocks(block_ids)
+                    raise
+                loaded, unused = block_ids[:n], block_ids[n:]
+                if unused:
+                    self.engine.free_blocks(unused)
+        num_cached = min(len(loaded) * self.block_size, len(prompt) - 1)
+        if num_cached > 0:
+            self.cached_tokens += num_cached
+            self.cached_requests += 1
+        elif loaded:  # a one-token prompt cannot reuse anything
+            self.engine.free_blocks(loaded)
+            loaded = []
+        return await self.engine.prefill(request_id, prompt, params, cached_block_ids=loaded, num_cached_tokens=num_cached)
+
+    async def publish(self, prompt: list[int], out: RequestOutput, transfer_id: str) -> bool:
+        """Step 5 for a prefill whose blocks the caller owns (``out.block_ids``). Returns True when the KV
+        goes through the store (store mode, PutStart done): the caller must then drop its own reference
+        to the blocks instead of holding them for a direct pull."""
+        keys = self.blocks.keys(prompt)
+        first_new = min(-(-out.cached_tokens // self.block_size), len(keys))  # blocks that came from the store
+        keys = keys[first_new:]
+        block_ids = list(out.block_ids[first_new : first_new + len(keys)])
+        via_store = self.transfer_mode == "store"
+        if via_store and len(prompt) % self.block_size:
+            keys.append(tail_key(transfer_id))
+            block_ids.append(out.block_ids[-1])
+        if not keys:
+            return via_store
+        self.engine.incref_blocks(block_ids)  # queued before any free of the caller: applied first
+        if not via_store:
+            self._spawn(self._save(keys, block_ids))
+            return False
+        try:
+            tickets = await self.blocks.begin_save(keys)
+        except BaseException as exc:
+            self.engine.free_blocks(block_ids)
+            if isinstance(exc, PdError):
+                logger.warning("KV store unavailable for transfer %s, falling back to a direct pull: %s", transfer_id, exc)
+                return False
+            raise
+        if not any(isinstance(t, (PutTicket, ObjectAlreadyExists)) for t in tickets):
+            self.engine.free_blocks(block_ids)
+            logger.warning("KV store took none of the blocks of %s (%s); falling back to a direct pull", transfer_id, tickets[0])
+            return False
+        if tail_key(transfer_id) in keys and not isinstance(tickets[-1], PutTicket):
+            logger.warning("KV store refused the tail block of %s (%s); the decode worker recomputes it", transfer_id, tickets[-1])
+        self._spawn(self._finish(keys, tickets, block_ids))
+        return True
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._writes.add(task)
+        task.add_done_callback(self._writes.discard)
+
+    async def _save(self, keys: list[str], block_ids: list[int]) -> None:
+        try:
+            await self.blocks.save(keys, block_ids)
+        except Exception:
+            logger.exception("KV store write failed")
+        finally:
+            self.engine.free_blocks(block_ids)
+
+    async def _finish(self, keys: list[str], tickets, block_ids: list[int]) -> None:
+        try:
+            await self.blocks.finish_save(keys, tickets, block_ids)
+        except Exception:
+            logger.exception("KV store write failed")
+        finally:
+            self.engine.free_blocks(block_ids)
+
+    @property
+    def writes_in_flight(self) -> int:
+        return len(self._writes)
+
+    async def close(self, timeout_s: float = 5.0) -> None:
+        """Let background writes finish (up to ``timeout_s``), then cancel the rest."""
+        if self._writes:
+            await asyncio.wait(list(self._writes), timeout=timeout_s)
+        for t in list(self._writes):
+            t.cancel()
+        if self._writes:
+            await asyncio.wait(list(self._writes), timeout=2.0)
+
+    def stats(self) -> dict[str, float]:
+        counters = {f"kvstore_{k}": v for k, v in self.blocks.counters.items()}
+        counters.update(
+            kvstore_cached_tokens=self.cached_tokens,
+            kvstore_cached_requests=self.cached_requests,
+            kvstore_writes_in_flight=len(self._writes),
+            kvstore_bytes_read=self.blocks.client.data.bytes_read,
+            kvstore_bytes_written=self.blocks.client.data.bytes_written,
+        )
+        return counters

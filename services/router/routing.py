@@ -1,0 +1,32 @@
+"""Wiring of the routing layer: RouterConfig -> RoutedBackend, and the ``GET /v1/workers`` route."""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from splitserve.services.router.config import RouterConfig
+from splitserve.services.router.disaggregation import DisaggregationPolicy
+from splitserve.services.router.failover import RoutedBackend
+from splitserve.services.router.policies import make_policy
+from splitserve.services.router.registry import WorkerRegistry
+
+
+def build_backend(config: RouterConfig) -> RoutedBackend:
+    """The router's backend for ``config`` (call ``start()`` inside the event loop)."""
+    registry = WorkerRegistry(list(config.prefill), list(config.decode), poll_interval_s=config.poll_interval_s,
+                              miss_limit=config.miss_limit, tls=config.tls)
+    return RoutedBackend(registry, make_policy(config.policy), DisaggregationPolicy(config.disagg),
+                         prefill_timeout_s=config.prefill_timeout_s, prefill_attempts=config.prefill_attempts,
+                         decode_attempts=config.decode_attempts, local_prefill_fallback=config.local_prefill_fallback)
+
+
+def workers_route(backend: RoutedBackend, path: str = "/v1/workers") -> Route:
+    """``GET /v1/workers``: every worker with its state (up/down), load and picks; the policy and the
+    current disaggregation threshold and cost model."""
+
+    async def workers(request: Request) -> JSONResponse:
+        return JSONResponse(backend.workers_view())
+
+    return Route(path, workers, methods=["GET"])

@@ -1,0 +1,115 @@
+"""Engine efficiency against this CPU's own limits, measured in one run.
+
+* memcpy bandwidth: a 256 MiB tensor copy; bytes read + bytes written per second.
+* matmul peak: fp32 ``[2048, 2048] @ [2048, 2048]`` GFLOP/s.
+* decode step: one forward of ``batch`` sequences at context ``context`` through the engine's model
+  code; its memory-bandwidth bound is (weight bytes + KV bytes read) / memcpy bandwidth.
+* prefill: tokens/s of one ``prompt``-token prompt, and the GFLOP/s that implies (2 FLOPs per
+  weight per token + causal attention) against the matmul peak.
+
+Each is measured with 1 and with 2 torch threads (a disaggregated worker has one core, the
+colocated server both).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from splitserve.model import AttentionMetadata, LoadedModel
+
+MiB = 2**20
+
+
+def _best(fn, repeat: int) -> float:
+    fn()  # warm-up
+    best = float("inf")
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def memcpy_bandwidth(nbytes: int = 256 * MiB, repeat: int = 5) -> float:
+    """Bytes/s moved (read + write) by a large tensor copy."""
+    src = torch.ones(nbytes // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / _best(lambda: dst.copy_(src), repeat)
+
+
+def matmul_peak(n: int = 2048, repeat: int = 5) -> float:
+    """FLOP/s of an fp32 n×n matmul."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    return 2 * n**3 / _best(lambda: a @ b, repeat)
+
+
+def _weight_bytes(lm: LoadedModel) -> int:
+    """Bytes a decode step reads: every weight except the embedding table (only a few rows are read)."""
+    emb = lm.model.model.embed_tokens.weight
+    return sum(p.numel() * p.element_size() for p in lm.model.parameters() if p is not emb)
+
+
+def decode_step(lm: LoadedModel, batch: int = 8, context: int = 512, block_size: int = 16, repeat: int = 10) -> tuple[float, int]:
+    """(seconds per decode step, bytes it must read) for ``batch`` sequences at ``context`` tokens."""
+    c = lm.config
+    per_seq = -(-(context + 1) // block_size)
+    cache = lm.model.allocate_kv_cache(batch * per_seq, block_size)
+    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
+    slots = torch.tensor([t[context // block_size] * block_size + context % block_size for t in tables])
+    attn = AttentionMetadata(slots, [1] * batch, [context + 1] * batch, tables, block_size)
+    ids, pos = torch.full((batch,), 100), torch.full((batch,), context)
+    with torch.inference_mode():
+        step = _best(lambda: lm.model(ids, pos, cache, attn), repeat)
+    kv_bytes = batch * (context + 1) * c.num_layers * 2 * c.num_kv_heads * c.head_dim * cache.element_size()
+    return step, _weight_bytes(lm) + kv_bytes
+
+
+def prefill(lm: LoadedModel, prompt: int = 512, block_size: int = 16, repeat: int = 3) -> tuple[float, float]:
+    """(tokens/s, FLOPs) of prefilling one ``prompt``-token prompt."""
+    c = lm.config
+    nblk = -(-prompt // block_size)
+    cache = lm.model.allocate_kv_cache(nblk, block_size)
+    table = list(range(nblk))
+    attn = AttentionMetadata(torch.arange(prompt), [prompt], [prompt], [table], block_size)
+    ids, pos = torch.full((prompt,), 100), torch.arange(prompt)
+    with torch.inference_mode():
+        t = _best(lambda: lm.model(ids, pos, cache, attn), repeat)
+    emb = lm.model.model.embed_tokens.weight.numel()
+    head = lm.model.lm_head.weight.numel()
+    body = sum(p.numel() for p in lm.model.parameters()) - emb - head
+    flops = 2 * body * prompt + 2 * head + 2 * c.num_layers * prompt * prompt * c.num_heads * c.head_dim
+    return prompt / t, flops / t
+
+
+def measure(lm: LoadedModel, threads: tuple[int, ...] = (1, 2), batch: int = 8, context: int = 512, prompt: int = 512) -> list[dict]:
+    """All measurements for each thread count (restores the previous thread count)."""
+    before = torch.get_num_threads()
+    rows = []
+    try:
+        for n in threads:
+            torch.set_num_threads(n)
+            bw, peak = memcpy_bandwidth(), matmul_peak()
+            step, nbytes = decode_step(lm, batch, context)
+            tok_s, flop_s = prefill(lm, prompt)
+            rows.append({"threads": n, "memcpy_GBps": bw / 1e9, "matmul_GFLOPs": peak / 1e9,
+                         "decode_batch": batch, "decode_context": context, "decode_step_ms": step * 1e3,
+                         "decode_bound_ms": nbytes / bw * 1e3, "decode_bytes_MB": nbytes / 1e6,
+                         "prefill_tokens": prompt, "prefill_tok_s": tok_s, "prefill_GFLOPs": flop_s / 1e9})
+    finally:
+        torch.set_num_threads(before)
+    return rows
+
+
+def format_rows(rows: list[dict], model: str) -> str:
+    """Markdown lines for ``measure`` output."""
+    out = [f"Engine efficiency ({model}):", "",
+           "| threads | memcpy GB/s | decode step (ms) | bandwidth bound (ms) | step ÷ bound | prefill tok/s | prefill GFLOP/s | matmul peak GFLOP/s | prefill ÷ peak |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['threads']} | {r['memcpy_GBps']:.1f} | {r['decode_step_ms']:.1f} (batch {r['decode_batch']}, ctx {r['decode_context']}) | "
+                   f"{r['decode_bound_ms']:.1f} ({r['decode_bytes_MB']:.0f} MB) | {r['decode_step_ms'] / r['decode_bound_ms']:.1f}× | "
+                   f"{r['prefill_tok_s']:.0f} ({r['prefill_tokens']} tok) | {r['prefill_GFLOPs']:.1f} | {r['matmul_GFLOPs']:.1f} | "
+                   f"{100 * r['prefill_GFLOPs'] / r['matmul_GFLOPs']:.0f}% |")
+    return "\n".join(out)

@@ -1,0 +1,57 @@
+"""KV store settings of a worker (prefill or decode): CLI flags with PD_* environment defaults."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+TRANSFER_MODES = ("direct", "store")
+
+
+@dataclass(frozen=True, slots=True)
+class StoreClientConfig:
+    """Attributes:
+
+    master: gRPC address of the KV store master; empty = no store (no prefix reuse, direct transfer only).
+    transfer_mode: "direct" -- the decode worker pulls the prompt's KV from the prefill worker over UCX;
+        "store" -- the prefill worker writes it to the store and the decode worker reads it from there
+        (Mooncake style). Prefix reuse works in both modes. Only the prefill worker's setting matters:
+        the KV handle tells the decode worker where to read.
+    salt: extra namespace of block hashes (e.g. a weights revision; see splitserve.kvstore.block_hash).
+    io_timeout_s: deadline of one UCX read/write of object bytes. rpc_timeout_s: of one master call.
+    wait_s: how long a decode worker waits for blocks its prefill worker is still writing (store mode).
+    """
+
+    master: str = ""
+    transfer_mode: str = "direct"
+    salt: str = ""
+    io_timeout_s: float = 5.0
+    rpc_timeout_s: float = 5.0
+    wait_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.transfer_mode not in TRANSFER_MODES:
+            raise ValueError(f"kv transfer mode must be one of {', '.join(TRANSFER_MODES)}, got {self.transfer_mode!r}")
+        if self.transfer_mode == "store" and not self.master:
+            raise ValueError("--kv-transfer-mode store needs --kvstore-master")
+        if self.io_timeout_s <= 0 or self.rpc_timeout_s <= 0 or self.wait_s <= 0:
+            raise ValueError("KV store timeouts must be > 0")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.master)
+
+
+def add_store_args(ap: argparse.ArgumentParser) -> None:
+    env = os.environ.get
+    ap.add_argument("--kvstore-master", default=env("PD_KVSTORE_MASTER", ""), help="KV store master host:port (empty: no store)")
+    ap.add_argument("--kv-transfer-mode", default=env("PD_KV_TRANSFER_MODE", "direct"), choices=TRANSFER_MODES)
+    ap.add_argument("--kvstore-salt", default=env("PD_KVSTORE_SALT", ""))
+    ap.add_argument("--kvstore-io-timeout-s", type=float, default=float(env("PD_KVSTORE_IO_TIMEOUT_S", "5")))
+    ap.add_argument("--kvstore-wait-s", type=float, default=float(env("PD_KVSTORE_WAIT_S", "10")))
+
+
+def store_config(a: argparse.Namespace) -> StoreClientConfig:
+    return StoreClientConfig(master=a.kvstore_master, transfer_mode=a.kv_transfer_mode, salt=a.kvstore_salt,
+                             io_timeout_s=a.kvstore_io_timeout_s, wait_s=a.kvstore_wait_s)

@@ -1,0 +1,159 @@
+"""Whole KV blocks of one engine's cache <-> store objects (one object per block, keyed by block hash).
+
+Object bytes are the block's bytes in the cache layout ``[num_layers, 2, block_size, num_kv_heads,
+head_dim]`` (``KVLayout.block_nbytes``); UCX reads and writes them straight from and into the cache's
+preallocated memory. Every method is failure-tolerant in the way prefix caching needs: a lookup or read
+that fails costs recomputation, never a wrong token (each block read is checked against its read lease
+and checksum before it is used).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+
+import numpy as np
+import torch
+
+from splitserve.errors import ChecksumMismatch, LeaseExpired, ObjectNotReady, PdError
+from splitserve.kvstore.block_hash import BlockHasher
+from splitserve.kvstore.client import KVStoreClient, ObjectLocation, PutReport, PutTicket
+from splitserve.transfer.common import byte_view
+from splitserve.telemetry.store import observe_store_op, record_lookup
+from splitserve.transfer.layout import KVLayout
+
+logger = logging.getLogger("splitserve.kvstore")
+
+
+def tail_key(transfer_id: str) -> str:
+    """Key of a request's partial last block in store transfer mode (one per transfer)."""
+    return f"tail/{transfer_id}"
+
+
+class KVBlockStore:
+    """Loads and saves blocks of ``kv_cache`` (the engine's pool) through ``client``.
+
+    ``counters`` (plain ints, event-loop thread): lookups, lookup_errors, hit_blocks, loaded_blocks,
+    lease_expired, checksum_mismatch, read_failed, saved_blocks, save_existed, save_failed.
+    """
+
+    def __init__(self, client: KVStoreClient, kv_cache: torch.Tensor, layout: KVLayout, salt: str = "") -> None:
+        self.client = client
+        self.layout = layout
+        self.block_size = layout.block_size
+        self.block_nbytes = layout.block_nbytes
+        self.hasher = BlockHasher(layout, salt)
+        self._kv = kv_cache  # keeps the memory behind the views alive
+        self._bytes = byte_view(kv_cache).numpy()
+        self.counters: Counter[str] = Counter()
+
+    def keys(self, token_ids: list[int]) -> list[str]:
+        """Keys of the full blocks of ``token_ids``."""
+        return self.hasher.keys(token_ids)
+
+    def block(self, block_id: int) -> np.ndarray:
+        """The bytes of one block of the cache (a view)."""
+        return self._bytes[block_id * self.block_nbytes : (block_id + 1) * self.block_nbytes]
+
+    # ---------------------------------------------------------------- reads
+    async def lookup_prefix(self, keys: list[str]) -> list[ObjectLocation]:
+        """Locations (with read leases) of the leading run of complete objects among ``keys``."""
+        if not keys:
+            return []
+        self.counters["lookups"] += 1
+        try:
+            results = await self.client.lookup(keys, prefix=True)
+        except PdError as exc:
+            self.counters["lookup_errors"] += 1
+            logger.warning("KV store lookup failed, computing without it: %s", exc)
+            return []
+        hits = []
+        for r in results:
+            if not isinstance(r, ObjectLocation):
+                break
+            hits.append(r)
+        self.counters["hit_blocks"] += len(hits)
+        record_lookup(len(hits), len(keys) - len(hits))
+        return hits
+
+    async def wait_prefix(self, keys: list[str], timeout_s: float) -> list[ObjectLocation]:
+        """Like :meth:`lookup_prefix`, but waits (polling, up to ``timeout_s``) for objects that are being
+        written (NOT_READY) to complete -- for a decode worker reading what its prefill worker is still
+        writing. The run ends at the first key that is neither complete nor being written."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        pause = 0.001
+        while True:
+            self.counters["lookups"] += 1
+            try:
+                results = await self.client.lookup(keys, prefix=False)
+            except PdError as exc:
+                self.counters["lookup_errors"] += 1
+                logger.warning("KV store lookup failed: %s", exc)
+                return []
+            hits, waiting = [], False
+            for r in results:
+                if isinstance(r, ObjectLocation):
+                    hits.append(r)
+                    continue
+                waiting = isinstance(r, ObjectNotReady)
+                break
+            if not waiting or loop.time() + pause > deadline:
+                self.counters["hit_blocks"] += len(hits)
+                return hits
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 0.02)
+
+    async def load(self, locations: list[ObjectLocation], block_ids: list[int]) -> int:
+        """Read ``locations[i]`` into block ``block_ids[i]``; returns how many *leading* blocks were loaded
+        and verified (blocks after the first failure must be recomputed)."""
+        if not locations:
+            return 0
+        with observe_store_op("get", len(locations)) as obs:
+            errors = await self.client.read(locations, [self.block(b) for b in block_ids])
+            n = 0
+            for err in errors:
+                if err is not None:
+                    break
+                n += 1
+            obs.nbytes = n * self.block_nbytes
+        for loc, err in zip(locations[n:], errors[n:]):
+            if err is None:
+                continue
+            kind = "lease_expired" if isinstance(err, LeaseExpired) else "checksum_mismatch" if isinstance(err, ChecksumMismatch) else "read_failed"
+            self.counters[kind] += 1
+            logger.warning("KV store read of %s not used (%s): recomputing", loc.key, err)
+            break
+        self.counters["loaded_blocks"] += n
+        return n
+
+    # ---------------------------------------------------------------- writes
+    async def begin_save(self, keys: list[str]) -> list[PutTicket | PdError]:
+        """PutStart for ``keys`` (per key a ticket or the typed error); raises if the master is unreachable."""
+        return await self.client.put_start(keys, self.block_nbytes)
+
+    async def finish_save(self, keys: list[str], tickets: list[PutTicket | PdError], block_ids: list[int]) -> PutReport:
+        """Write the blocks of the open tickets and publish them (PutEnd), revoking what failed."""
+        with observe_store_op("put", len(keys)) as obs:
+            report = await self.client.finish_put(keys, tickets, [self.block(b) for b in block_ids])
+            obs.nbytes = len(report.written) * self.block_nbytes
+        self._count(report)
+        return report
+
+    async def save(self, keys: list[str], block_ids: list[int]) -> PutReport:
+        """Two-phase put of blocks (keys already complete or being written are skipped)."""
+        try:
+            tickets = await self.begin_save(keys)
+        except PdError as exc:
+            self.counters["save_failed"] += len(keys)
+            logger.warning("KV store put of %d blocks failed: %s", len(keys), exc)
+            return PutReport(failed={k: exc for k in keys})
+        return await self.finish_save(keys, tickets, block_ids)
+
+    def _count(self, report: PutReport) -> None:
+        self.counters["saved_blocks"] += len(report.written)
+        self.counters["save_existed"] += len(report.existed)
+        self.counters["save_failed"] += len(report.failed)
+        for key, err in list(report.failed.items())[:1]:
+            logger.warning("KV store put of %d blocks failed, e.g. %s: %s", len(report.failed), key, err)

@@ -1,0 +1,90 @@
+"""Spans and metrics of KV transfers (any transport).
+
+Receiver (decode worker): :func:`observe_receive` around the pull -- span ``kv.receive``, current
+inside the block so the transport can put its context into the control message it sends.
+Sender (prefill worker): :func:`start_send` when a pull arrives, with the trace context that came in
+that control message (see :mod:`splitserve.telemetry.propagation`), and
+:meth:`TransferObservation.finish` when it is served -- span ``kv.send``, a child of the
+receiver's ``kv.receive`` in the other process.
+
+Span attributes: ``splitserve.kv.transfer_id``, ``.transport``, ``.blocks``, ``.bytes``,
+``.duration_s``, ``.gbps`` (decimal GB/s), ``server.address`` (receiver side: the sender's
+data-plane endpoint). Metrics: ``splitserve:kv_transfer_seconds``, ``splitserve:kv_transfer_bytes_total``,
+``splitserve:kv_transfers_total`` by direction, transport and outcome.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from typing import Callable
+
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind
+
+from splitserve.telemetry import metrics as m
+from splitserve.telemetry.propagation import context_from
+from splitserve.telemetry.spans import end_span, outcome_of
+from splitserve.telemetry.tracing import tracer
+
+
+class TransferObservation:
+    """One transfer being measured. Set :attr:`nbytes` (receiver) or pass it to :meth:`finish`."""
+
+    def __init__(self, span, direction: str, transport: str, clock: Callable[[], float]) -> None:
+        self.span = span
+        self.direction = direction
+        self.transport = transport
+        self.clock = clock
+        self.start = clock()
+        self.nbytes = 0
+        self._finished = False
+
+    def finish(self, ok: bool, nbytes: int | None = None, error: BaseException | str | None = None) -> None:
+        """Record the transfer and end its span (once; later calls do nothing). ``error``: the
+        exception, or a reason text when the transfer failed without one."""
+        if self._finished:
+            return
+        self._finished = True
+        if nbytes is not None:
+            self.nbytes = nbytes
+        seconds = self.clock() - self.start
+        exc = error if isinstance(error, BaseException) else (RuntimeError(error) if error else None)
+        outcome = "ok" if ok else outcome_of(exc or RuntimeError("transfer failed"), None)
+        labels = (self.direction, self.transport)
+        m.KV_TRANSFERS.labels(*labels, outcome).inc()
+        attrs = {"splitserve.kv.duration_s": seconds}
+        if ok:
+            m.KV_TRANSFER_TIME.labels(*labels).observe(seconds)
+            m.KV_TRANSFER_BYTES.labels(*labels).inc(self.nbytes)
+            attrs["splitserve.kv.bytes"] = self.nbytes
+            if seconds > 0:
+                attrs["splitserve.kv.gbps"] = self.nbytes / seconds / 1e9
+        end_span(self.span, outcome, exc, **attrs)
+
+
+def _attributes(transport: str, transfer_id: str, num_blocks: int) -> dict:
+    return {"splitserve.kv.transfer_id": transfer_id, "splitserve.kv.transport": transport, "splitserve.kv.blocks": num_blocks}
+
+
+@contextmanager
+def observe_receive(transport: str, endpoint: str, transfer_id: str, num_blocks: int, clock: Callable[[], float] = time.perf_counter):
+    """Measure a pull; set ``obs.nbytes`` to the bytes received inside the block. An exception
+    (or cancellation) leaving the block fails the transfer."""
+    attrs = {**_attributes(transport, transfer_id, num_blocks), "server.address": endpoint}
+    span = tracer().start_span("kv.receive", kind=SpanKind.CLIENT, attributes=attrs)
+    obs = TransferObservation(span, "receive", transport, clock)
+    try:
+        with trace.use_span(span, end_on_exit=False, record_exception=False, set_status_on_exception=False):
+            yield obs
+    except BaseException as exc:
+        obs.finish(False, error=exc)
+        raise
+    obs.finish(True)
+
+
+def start_send(transport: str, transfer_id: str, num_blocks: int, trace_context: str = "", clock: Callable[[], float] = time.perf_counter) -> TransferObservation:
+    """Start measuring the serving of one pull; ``trace_context`` is the receiver's (may be "")."""
+    span = tracer().start_span("kv.send", context=context_from(trace_context), kind=SpanKind.SERVER,
+                               attributes=_attributes(transport, transfer_id, num_blocks))
+    return TransferObservation(span, "send", transport, clock)

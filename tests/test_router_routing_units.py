@@ -1,0 +1,134 @@
+"""Routing layer pieces in-process: policies, the disaggregation cost model, the registry's heartbeat
+state machine against a real gRPC health server."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from grpc_health.v1 import health_pb2
+from pd.v1 import common_pb2, prefill_pb2_grpc
+
+from splitserve.launcher import free_port
+from splitserve.rpc.server import bind, create_server
+from splitserve.services.router.config import parse
+from splitserve.services.router.disaggregation import DisaggregationPolicy, LinearFit
+from splitserve.services.router.policies import LeastLoaded, PrefixAware, RoundRobin, make_policy
+from splitserve.services.router.registry import DECODE, PREFILL, WorkerRegistry, WorkerState
+
+
+def _w(addr: str, role: str = PREFILL, **kw) -> WorkerState:
+    w = WorkerState(addr, role, channel=None, stub=None, up=True)
+    for k, v in kw.items():
+        setattr(w, k, v)
+    return w
+
+
+def test_round_robin_counts_roles_independently():
+    rr = RoundRobin()
+    p, d = [_w("p0"), _w("p1")], [_w("d0", DECODE), _w("d1", DECODE), _w("d2", DECODE)]
+    seq = [(rr.pick(PREFILL, p, []).address, rr.pick(DECODE, d, []).address) for _ in range(6)]
+    assert [s[0] for s in seq] == ["p0", "p1"] * 3
+    assert [s[1] for s in seq] == ["d0", "d1", "d2"] * 2
+    assert {s for s in seq} != {("p0", "d0"), ("p1", "d1")}  # not locked in pairs
+
+
+def test_least_loaded_prefers_fewer_queued_tokens_and_more_free_blocks():
+    ll = LeastLoaded(random.Random(0))
+    p = [_w("p0", inflight_prefill_tokens=5000), _w("p1", inflight_prefill_tokens=10)]
+    assert all(ll.pick(PREFILL, p, []).address == "p1" for _ in range(10))
+    d = [_w("d0", DECODE, stats={"requests_running": 3, "kv_blocks_free": 10}),
+         _w("d1", DECODE, stats={"requests_running": 3, "kv_blocks_free": 900})]
+    assert all(ll.pick(DECODE, d, []).address == "d1" for _ in range(10))
+
+
+def test_prefix_aware_follows_the_prefix_until_the_holder_is_overloaded():
+    pa = PrefixAware(block_size=16, balance_slack_tokens=1000, rng=random.Random(0))
+    p = [_w("p0"), _w("p1")]
+    prompt = list(range(10, 330))  # 20 blocks
+    pa.record(p[1], prompt)
+    assert pa.matched_tokens(p[1], prompt + [5, 6]) == 320
+    assert pa.matched_tokens(p[0], prompt) == 0
+    assert all(pa.pick(PREFILL, p, prompt + [1]).address == "p1" for _ in range(5))
+    p[1].inflight_prefill_tokens = 5000  # hot prefix: holder far busier than the other worker
+    assert pa.pick(PREFILL, p, prompt).address == "p0"
+    assert pa.matched_tokens(p[1], [999] + prompt) == 0  # chained: a different first block shares nothing
+
+
+def test_unknown_policy_and_bad_router_flags_are_rejected():
+    with pytest.raises(ValueError):
+        make_policy("random")
+    with pytest.raises(ValueError):
+        parse(["--policy", "nope"])
+    with pytest.raises(ValueError):
+        parse(["--disagg", "sometimes"])
+    assert parse(["--policy", "prefix_aware", "--disagg", "auto"]).policy == "prefix_aware"
+
+
+def test_linear_fit_recovers_slope_and_intercept_and_uses_prior_first():
+    f = LinearFit(slope=1.0, intercept=0.5)
+    assert f.params() == (1.0, 0.5)
+    for n in (100, 200, 400, 800, 1600):
+        f.add(n, 0.02 + 1e-4 * n)
+    slope, intercept = f.params()
+    assert slope == pytest.approx(1e-4, rel=1e-3) and intercept == pytest.approx(0.02, rel=1e-2)
+
+
+def test_fixed_threshold_and_always():
+    assert DisaggregationPolicy("always").decide(3).local is False
+    fixed = DisaggregationPolicy("64")
+    assert fixed.decide(63).local and not fixed.decide(64).local
+    with pytest.raises(ValueError):
+        DisaggregationPolicy("maybe")
+
+
+def test_auto_threshold_from_measured_costs():
+    auto = DisaggregationPolicy("auto", beta=0.5)
+    for n in (100, 400, 1600):  # prefill workers: 1 ms/token + 10 ms; decode workers the same speed
+        auto.observe_remote_prefill(n, 0.010 + 1e-3 * n)
+        auto.observe_local_prefill(n, 0.010 + 1e-3 * n)
+        auto.observe_transfer(n, 0.005 + 1e-5 * n)  # handoff: 5 ms + 10 us/token
+    idle = auto.decide(1000, queued_prefill_tokens=0, decode_running=0)
+    assert idle.local  # an idle decode worker is never slower than prefill + transfer
+    busy = auto.decide(1000, queued_prefill_tokens=0, decode_running=8)
+    # local = 0.01 + 1e-3 n (1 + 4); remote = 0.01 + 1e-3 n + 0.005 + 1e-5 n  ->  n* = 0.005 / (4e-3 - 1e-5)
+    assert busy.threshold == pytest.approx(0.005 / (4e-3 - 1e-5), rel=0.05)
+    assert not busy.local
+    queued = auto.decide(1000, queued_prefill_tokens=20000, decode_running=8)  # prefill queue: local wins again
+    assert queued.threshold > busy.threshold and queued.local
+
+
+class _Prefill(prefill_pb2_grpc.PrefillServiceServicer):
+    async def GetStats(self, request, context):
+        return common_pb2.GetStatsResponse(counters={"kv_blocks_free": 7, "kv_blocks_total": 8, "requests_running": 1})
+
+    async def GetKVLayout(self, request, context):
+        return common_pb2.GetKVLayoutResponse(layout=common_pb2.KVLayout(
+            model_id="m", num_layers=1, num_kv_heads=1, head_dim=4, block_size=16, dtype="float32"))
+
+
+async def test_registry_marks_a_worker_down_after_missed_heartbeats_and_up_on_recovery():
+    server, health = create_server()
+    prefill_pb2_grpc.add_PrefillServiceServicer_to_server(_Prefill(), server)
+    port = bind(server, "127.0.0.1", 0)
+    await server.start()
+    reg = WorkerRegistry([f"127.0.0.1:{port}"], [f"127.0.0.1:{free_port()}"], poll_interval_s=0.05, miss_limit=2)
+    try:
+        w, dead = reg.workers[PREFILL][0], reg.workers[DECODE][0]
+        await reg.poll_all()
+        assert w.up and not dead.up and dead.last_error == "UNAVAILABLE"
+        assert w.free_blocks == 7 and w.layout.block_size == 16
+        await health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        assert not await reg.poll_once(w)
+        assert w.up  # one missed heartbeat: still in rotation
+        assert not await reg.poll_once(w)
+        assert not w.up and reg.up(PREFILL) == []
+        await health.set("", health_pb2.HealthCheckResponse.SERVING)
+        assert await reg.poll_once(w) and w.up  # recovered
+        reg.mark_failed(w, "UNAVAILABLE")  # a request found it unreachable: out at once
+        assert not w.up and reg.snapshot()[0]["state"] == "down"
+        reg.start()  # the loop brings it back
+        assert [x.address for x in await reg.wait_for(PREFILL, 5.0)] == [w.address]
+    finally:
+        await reg.close()
+        await server.stop(0)
