@@ -91,6 +91,7 @@ def _up(argv: list[str]) -> int:
         cluster.stop()
         return 1
     base = f"http://{a.host}:{http_port}/v1"
+    auth = ' -H "Authorization: Bearer $PD_API_KEY"' if env("PD_API_KEY") else ""
     store = (f"KV store ({a.kv_transfer_mode} KV transfer, {a.store_replicas} replica(s)):\n{store_health(cluster)}\n"
              if store_nodes else "KV store: off\n")
     metrics = "\n               ".join(f"{c.metrics}  ({c.name})" for c in cluster.children if c.metrics)
@@ -100,7 +101,8 @@ def _up(argv: list[str]) -> int:
         f"\nsplitserve is up: {a.prefill} prefill + {a.decode} decode workers, model {a.model}\n"
         f"  OpenAI API : {base}\n  gRPC       : {a.host}:{grpc_port} (pd.v1.RouterService)\n"
         f"  Metrics    : {metrics}\n  Traces     : {traces}\n{store}\n"
-        f"try:\n  curl -sN {base}/completions -H 'Content-Type: application/json' \\\n"
+        f"try:\n  curl -sN {base}/completions -H 'Content-Type: application/json'"
+        f"{auth} \\\n"
         f"    -d '{{\"model\": \"{os.path.basename(a.model.rstrip('/')).removesuffix('.gguf')}\", \"prompt\": \"Once upon a time\", "
         f"\"max_tokens\": 48, \"temperature\": 0, \"stream\": true}}'\n"
         f"  splitserve generate --router {a.host}:{grpc_port} \"Once upon a time\"\n\nCtrl-C stops the cluster.\n",
@@ -122,6 +124,7 @@ def _generate(argv: list[str]) -> int:
     import grpc
 
     from splitserve.client import RouterClient
+    from splitserve.rpc.tls import add_tls_args, tls_config
 
     ap = argparse.ArgumentParser(prog="splitserve generate", description="Stream a completion from a router over gRPC.")
     ap.add_argument("prompt")
@@ -132,10 +135,12 @@ def _generate(argv: list[str]) -> int:
     ap.add_argument("--top-k", type=int, default=-1)
     ap.add_argument("--seed", type=int)
     ap.add_argument("--stop", action="append", default=[])
+    ap.add_argument("--api-key", default=os.environ.get("PD_API_KEY"), help="router API key (prefer PD_API_KEY)")
+    add_tls_args(ap)
     a = ap.parse_args(argv)
 
     async def run() -> None:
-        async with RouterClient(a.router) as client:
+        async with RouterClient(a.router, tls=tls_config(a), api_key=a.api_key) as client:
             async for delta in client.generate(a.prompt, max_tokens=a.max_tokens, temperature=a.temperature,
                                                top_p=a.top_p, top_k=a.top_k, seed=a.seed, stop=a.stop):
                 sys.stdout.write(delta.text)

@@ -6,7 +6,8 @@ from typing import AsyncIterator
 
 from pd.v1 import common_pb2, router_pb2, router_pb2_grpc
 
-from splitserve.rpc.server import insecure_channel
+from splitserve.rpc.server import channel
+from splitserve.rpc.tls import TlsConfig
 
 
 class RouterClient:
@@ -16,15 +17,23 @@ class RouterClient:
     Raises grpc.aio.AioRpcError with the server's status code on failure.
     """
 
-    def __init__(self, address: str) -> None:
-        self.channel = insecure_channel(address)
+    def __init__(self, address: str, *, tls: TlsConfig | None = None, api_key: str | None = None) -> None:
+        """``tls``: TLS (and a client certificate for mutual TLS) when enabled; ``api_key``: sent as
+        ``authorization: Bearer <key>`` metadata on every call."""
+        self.channel = channel(address, tls)
         self.stub = router_pb2_grpc.RouterServiceStub(self.channel)
+        self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
 
     async def __aenter__(self) -> "RouterClient":
         return self
 
     async def __aexit__(self, *exc) -> None:
         await self.channel.close()
+
+    async def stats(self, timeout: float = 10.0) -> dict[str, float]:
+        """The router's counters (open streams, retries, fallbacks)."""
+        resp = await self.stub.GetStats(common_pb2.GetStatsRequest(), timeout=timeout, metadata=self.metadata)
+        return dict(resp.counters)
 
     async def generate(
         self, prompt: str | list[int], *, max_tokens: int = 16, temperature: float = 1.0, top_p: float = 1.0,
@@ -42,5 +51,9 @@ class RouterClient:
             request.prompt = prompt
         else:
             request.prompt_token_ids.ids.extend(prompt)
-        async for response in self.stub.Generate(request, timeout=timeout):
-            yield response
+        call = self.stub.Generate(request, timeout=timeout, metadata=self.metadata)
+        try:
+            async for response in call:
+                yield response
+        finally:  # closed early, or dropped and finalized: the router aborts the request at once
+            call.cancel()

@@ -19,6 +19,10 @@ class KVTransferError(PdError):
     """Moving KV bytes between workers failed or timed out (UNAVAILABLE)."""
 
 
+class KVChecksumMismatch(KVTransferError):
+    """The KV bytes that arrived do not match the checksum the sender computed (corrupted in transit)."""
+
+
 class TransferNotFound(PdError):
     """The sender holds no KV for this transfer id: never registered, already sent, or lease expired (NOT_FOUND)."""
 
@@ -31,6 +35,8 @@ class WorkerUnavailable(PdError):
     """No healthy worker could serve the request (UNAVAILABLE)."""
 
 
+class DeadlineExceeded(PdError):
+    """The request's deadline passed before it finished (DEADLINE_EXCEEDED, HTTP 504)."""
 # --- KV store (services/kvstore, splitserve/kvstore) ---------------------------------------------------
 
 

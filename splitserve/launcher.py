@@ -22,6 +22,8 @@ import grpc
 import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from splitserve.rpc.server import sync_channel
+from splitserve.rpc.tls import TlsConfig, tls_from_env
 from splitserve.transfer import ucx_env_defaults
 
 _PR_SET_PDEATHSIG = 1
@@ -68,22 +70,28 @@ class Cluster:
     env: dict[str, str] = field(default_factory=dict)
 
     def start(self) -> None:
-        env = {**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}
+        for child in self.children:
+            self.start_child(child)
+
+    def start_child(self, child: Child, extra_env: dict[str, str] | None = None) -> None:
+        """(Re)start one child process (e.g. a replacement for one that died)."""
+        env = {**os.environ, **self.env, **(extra_env or {}), "PYTHONUNBUFFERED": "1"}
         for key, value in ucx_env_defaults().items():
             env.setdefault(key, value)
-        for child in self.children:
-            child.proc = subprocess.Popen(child.argv, env=env, preexec_fn=_die_with_parent, start_new_session=True)
+        child.reported = False
+        child.proc = subprocess.Popen(child.argv, env=env, preexec_fn=_die_with_parent, start_new_session=True)
 
-    def wait_healthy(self, timeout_s: float = 180.0) -> None:
+    def wait_healthy(self, timeout_s: float = 180.0, children: list[Child] | None = None) -> None:
         """Raises RuntimeError if a process exits or is not healthy within ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
-        pending = list(self.children)
+        pending = list(self.children if children is None else children)
+        tls = tls_from_env({**os.environ, **self.env})  # what the children were given
         while pending:
             for child in list(pending):
                 code = child.proc.poll()
                 if code is not None:
                     raise RuntimeError(f"{child.name} exited with code {code} during start-up")
-                if _healthy(child.health):
+                if _healthy(child.health, tls):
                     pending.remove(child)
             if time.monotonic() > deadline:
                 raise RuntimeError(f"not healthy after {timeout_s:.0f} s: {', '.join(c.name for c in pending)}")
@@ -113,7 +121,7 @@ class Cluster:
                 child.proc.wait()
 
 
-def _healthy(target: str) -> bool:
+def _healthy(target: str, tls: TlsConfig | None = None) -> bool:
     if target.startswith("http"):
         try:
             return httpx.get(target, timeout=1.0).status_code == 200
@@ -121,7 +129,7 @@ def _healthy(target: str) -> bool:
             return False
     address = target.removeprefix("grpc:")
     try:
-        with grpc.insecure_channel(address) as channel:
+        with sync_channel(address, tls) as channel:
             resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
             return resp.status == health_pb2.HealthCheckResponse.SERVING
     except grpc.RpcError:

@@ -34,11 +34,13 @@ async def workers(lm):
     d_server, _ = create_server()
     p_servicer = PrefillServicer(p_engine, sender, "inproc", lease_s=0.3)
     prefill_pb2_grpc.add_PrefillServiceServicer_to_server(p_servicer, p_server)
-    decode_pb2_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(d_engine, receiver, "inproc", 5.0), d_server)
+    d_servicer = DecodeServicer(d_engine, receiver, "inproc", 5.0)
+    decode_pb2_grpc.add_DecodeServiceServicer_to_server(d_servicer, d_server)
     p_port, d_port = bind(p_server, "127.0.0.1", 0), bind(d_server, "127.0.0.1", 0)
     await p_server.start()
     await d_server.start()
     p_ch, d_ch = grpc.aio.insecure_channel(f"127.0.0.1:{p_port}"), grpc.aio.insecure_channel(f"127.0.0.1:{d_port}")
+    p_servicer.decode_servicer = d_servicer  # for tests that change the decode side's failure policy
     yield prefill_pb2_grpc.PrefillServiceStub(p_ch), decode_pb2_grpc.DecodeServiceStub(d_ch), p_servicer, p_engine, d_engine
     await p_ch.close()
     await d_ch.close()
@@ -83,9 +85,18 @@ async def test_unpulled_kv_is_freed_by_lease_and_then_not_found(workers, lm):
     assert await free_blocks(p_engine) < p_engine.num_blocks
     await asyncio.sleep(0.6)
     assert await free_blocks(p_engine) == p_engine.num_blocks and servicer.leases.expired == 1
+    request = decode_pb2.DecodeRequest(request_id="r3", prompt_token_ids=prompt, sampling=sampling(),
+                                       kv_handle=resp.kv_handle, first_token_id=resp.first_token_id)
+    # default policy (fallback): the decode worker recomputes the prompt's KV and says so on the first message
+    msgs = [m async for m in decode.Decode(request)]
+    assert msgs[0].kv_recomputed and not any(m.kv_recomputed for m in msgs[1:])
+    local = [t async for m in decode.Decode(decode_pb2.DecodeRequest(request_id="r3-local", prompt_token_ids=prompt,
+                                                                     sampling=sampling())) for t in m.token_ids]
+    assert [resp.first_token_id] + [t for m in msgs for t in m.token_ids] == local
+    # --kv-transfer-failure error: NOT_FOUND
+    servicer.decode_servicer.transfer_failure = "error"
     with pytest.raises(grpc.aio.AioRpcError) as err:
-        async for _ in decode.Decode(decode_pb2.DecodeRequest(request_id="r3", prompt_token_ids=prompt, sampling=sampling(),
-                                                              kv_handle=resp.kv_handle, first_token_id=resp.first_token_id)):
+        async for _ in decode.Decode(request):
             pass
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
     assert await free_blocks(d_engine) == d_engine.num_blocks  # the blocks reserved for the pull were freed

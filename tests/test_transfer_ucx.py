@@ -14,7 +14,7 @@ import torch
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")  # UCX may otherwise route 127.0.0.1 over eth0 too
 
-from splitserve.errors import KVLayoutMismatch, KVTransferError, TransferNotFound  # noqa: E402
+from splitserve.errors import KVChecksumMismatch, KVLayoutMismatch, KVTransferError, TransferNotFound  # noqa: E402
 from splitserve.transfer import TransferRefused, apply_ucx_env_defaults, create_receiver, create_sender  # noqa: E402
 from splitserve.transfer import ucx_env_defaults, wire  # noqa: E402
 from splitserve.transfer.common import Status  # noqa: E402
@@ -103,6 +103,14 @@ def test_env_defaults():
     apply_ucx_env_defaults(target)
     assert target["UCX_MM_ERROR_HANDLING"] == "n"  # setdefault: explicit settings win
     assert target["UCX_WARN_UNUSED_ENV_VARS"] == "n"
+
+
+def test_wire_status_with_checksum():
+    buf = wire.encode_status(Status.OK, "", 0xDEADBEEF12345678)
+    assert wire.decode_status_checksum(buf) == (Status.OK, "", 0xDEADBEEF12345678)
+    assert wire.decode_status_checksum(wire.encode_status(Status.OK)) == (Status.OK, "", None)
+    req = wire.FetchRequest(1 << 24, 4096, 9, "t", [(1, 2)], flags=wire.FLAG_CHECKSUM)
+    assert wire.decode_fetch(wire.encode_fetch(req)).flags == wire.FLAG_CHECKSUM
 
 
 def test_wire_roundtrip():
@@ -363,3 +371,43 @@ async def test_many_small_segments_in_process():
     finally:
         await r.close()
         await sender.close()
+
+
+@real_ucx
+async def test_checksum_verified_transfer(peer):
+    pool = LAYOUT.allocate_cache(8)
+    r = create_receiver("ucx", pool, LAYOUT, verify_checksum=True)
+    await r.start()
+    try:
+        peer.register("sum-ok", [3, 4, 9])
+        assert await r.fetch(peer.endpoint, "sum-ok", [3, 4, 9], [0, 1, 5], 10.0) == 3 * LAYOUT.block_nbytes
+        assert_blocks(pool, [3, 4, 9], [0, 1, 5])
+        assert r.stats.checksum_failures == 0
+    finally:
+        await r.close()
+
+
+@real_ucx
+async def test_corrupted_transfer_is_detected(receiver):
+    """A sender that corrupts every transfer after computing its checksum (fault injection): a verifying
+    receiver raises KVChecksumMismatch; a non-verifying one silently gets the wrong bytes."""
+    plain, pool = receiver
+    bad = SenderProcess(LAYOUT, NUM_BLOCKS, salt=SALT, env=PEER_ENV, options={"corrupt_sends": True})
+    bad.start()
+    verifying = create_receiver("ucx", LAYOUT.allocate_cache(8), LAYOUT, verify_checksum=True)
+    await verifying.start()
+    try:
+        bad.register("corrupt-1", [6, 7])
+        with pytest.raises(KVChecksumMismatch, match="corrupted"):
+            await verifying.fetch(bad.endpoint, "corrupt-1", [6, 7], [0, 1], 10.0)
+        assert verifying.stats.checksum_failures == 1 and verifying.stats.transfers_failed == 1
+        for attempt in range(2):  # the sender restores the flipped byte after each transfer
+            tid = f"corrupt-plain-{attempt}"
+            bad.register(tid, [6, 7])
+            await plain.fetch(bad.endpoint, tid, [6, 7], [0, 1], 10.0)
+            got, want = block_bytes(pool, 0), expected_block(LAYOUT, 6, SALT)
+            assert int(got[0]) == int(want[0]) ^ 0xFF and torch.equal(got[1:], want[1:])
+            assert_blocks(pool, [7], [1])
+    finally:
+        await verifying.close()
+        bad.stop()

@@ -28,22 +28,26 @@ async def serve(config: DecodeConfig) -> None:
     lm = load_model(config.model)
     engine = AsyncEngine(lm, config.engine)
     await engine.start()
-    receiver = create_receiver(config.transport, engine.kv_cache, engine.layout)
+    receiver = create_receiver(config.transport, engine.kv_cache, engine.layout, verify_checksum=config.kv_checksum)
     await receiver.start()
     store_client, store = await start_store(config.store, engine)
     if store is not None:
         store = DecodeStore(engine, store, config.store.wait_s)
     server, health = create_server()
-    servicer = DecodeServicer(engine, receiver, config.transport, config.kv_transfer_timeout_s, store)
+    servicer = DecodeServicer(
+        engine, receiver, config.transport, config.kv_transfer_timeout_s, config.kv_transfer_failure, store=store
+    )
     decode_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, server)
-    port = bind(server, config.host, config.port)
+    port = bind(server, config.host, config.port, config.tls)
     await server.start()
     metrics = start_worker_metrics("decode", engine, config.host, config.metrics_port)
     await set_serving(health, [SERVICE])
     logger.info(
-        "decode worker ready: grpc %s:%d, kv transport %s, model %s, %d KV blocks of %d tokens, kv store %s, metrics %s",
-        config.host, port, config.transport, lm.model_id, engine.num_blocks, config.engine.block_size, config.store.master or "off",
-        metrics.url if metrics else "off",
+        "decode worker ready: grpc %s:%d%s, kv transport %s (on failure: %s, checksum %s), model %s, %d KV blocks of %d tokens, "
+        "kv store %s, metrics %s",
+        config.host, port, " (tls)" if config.tls.enabled else "", config.transport, config.kv_transfer_failure,
+        "on" if config.kv_checksum else "off", lm.model_id, engine.num_blocks, config.engine.block_size,
+        config.store.master or "off", metrics.url if metrics else "off",
     )
     stop = stop_event_on_signals()
     try:

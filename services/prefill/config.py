@@ -8,8 +8,11 @@ from dataclasses import dataclass
 
 from splitserve.engine.args import add_engine_args, engine_config
 from splitserve.engine.async_engine import EngineConfig
+from splitserve.errors import InvalidRequest
 from splitserve.kvstore.config import StoreClientConfig, add_store_args, store_config
+from splitserve.rpc.tls import TlsConfig, add_tls_args, tls_config
 from splitserve.telemetry.exposition import check_metrics_port
+from splitserve.transfer.common import parse_endpoint
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,17 +22,24 @@ class PrefillConfig:
     port: int = 50061
     data_host: str = "127.0.0.1"  # address advertised for KV pulls
     data_port: int = 0  # 0 = any free port
+    data_advertise: str | None = None  # "host:port" put in KV handles instead of data_host:<bound port> (NAT)
     transport: str = "ucx"
     kv_lease_s: float = 30.0  # KV blocks are freed if no decode worker pulls them within this time
     torch_threads: int = 1
     metrics_port: int = 0  # HTTP GET /metrics (Prometheus) on host:metrics_port; 0 = any free port, -1 = off
     engine: EngineConfig = EngineConfig()
     store: StoreClientConfig = StoreClientConfig()
+    tls: TlsConfig = TlsConfig()
 
     def __post_init__(self) -> None:
         check_metrics_port(self.metrics_port)
         if self.kv_lease_s <= 0:
             raise ValueError(f"kv_lease_s must be > 0, got {self.kv_lease_s}")
+        if self.data_advertise:
+            try:
+                parse_endpoint(self.data_advertise)
+            except InvalidRequest as exc:
+                raise ValueError(f"data_advertise: {exc}") from None
 
 
 def parse(argv: list[str] | None = None) -> PrefillConfig:
@@ -40,12 +50,16 @@ def parse(argv: list[str] | None = None) -> PrefillConfig:
     ap.add_argument("--port", type=int, default=int(env("PD_PREFILL_PORT", "50061")))
     ap.add_argument("--data-host", default=env("PD_DATA_HOST", "127.0.0.1"))
     ap.add_argument("--data-port", type=int, default=int(env("PD_DATA_PORT", "0")))
+    ap.add_argument("--data-advertise", default=env("PD_DATA_ADVERTISE") or None,
+                    help="host:port decode workers pull KV from, when it differs from the listening address (NAT)")
     ap.add_argument("--kv-lease-s", type=float, default=float(env("PD_KV_LEASE_S", "30")))
     add_store_args(ap)
     ap.add_argument("--metrics-port", type=int, default=int(env("PD_METRICS_PORT", "0")), help="HTTP /metrics port; 0 = any free, -1 = off")
+    add_tls_args(ap)
     a = ap.parse_args(argv)
     return PrefillConfig(
         model=a.model, host=a.host, port=a.port, data_host=a.data_host, data_port=a.data_port,
-        transport=a.transport, kv_lease_s=a.kv_lease_s, torch_threads=a.torch_threads, metrics_port=a.metrics_port, engine=engine_config(a),
-        store=store_config(a),
+        data_advertise=a.data_advertise, transport=a.transport, kv_lease_s=a.kv_lease_s,
+        torch_threads=a.torch_threads, metrics_port=a.metrics_port, engine=engine_config(a),
+        store=store_config(a), tls=tls_config(a),
     )

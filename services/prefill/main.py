@@ -19,6 +19,7 @@ from splitserve.telemetry.exposition import start_worker_metrics
 from splitserve.telemetry.stats_collector import register_stats
 from splitserve.telemetry.tracing import setup_tracing
 from splitserve.transfer import create_sender
+from splitserve.transfer.faults import sender_fault_options
 
 logger = logging.getLogger("splitserve.prefill")
 SERVICE = prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name
@@ -29,15 +30,16 @@ async def serve(config: PrefillConfig) -> None:
     lm = load_model(config.model)
     engine = AsyncEngine(lm, config.engine)
     await engine.start()
-    sender = create_sender(config.transport, engine.kv_cache, engine.layout, host=config.data_host, port=config.data_port)
+    sender = create_sender(config.transport, engine.kv_cache, engine.layout, host=config.data_host, port=config.data_port,
+                           **sender_fault_options())
     await sender.start()
     store_client, store = await start_store(config.store, engine)
     if store is not None:
         store = PrefillStore(engine, store, config.store.transfer_mode)
     server, health = create_server()
-    servicer = PrefillServicer(engine, sender, config.transport, config.kv_lease_s, store)
+    servicer = PrefillServicer(engine, sender, config.transport, config.kv_lease_s, store, advertise=config.data_advertise)
     prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, server)
-    port = bind(server, config.host, config.port)
+    port = bind(server, config.host, config.port, config.tls)
     await server.start()
     held = {"splitserve:kv_leases_held": ("KV transfers held for a decode worker to pull.", lambda: len(servicer.leases))}
     metrics = start_worker_metrics("prefill", engine, config.host, config.metrics_port, gauges=held)
@@ -45,8 +47,9 @@ async def serve(config: PrefillConfig) -> None:
         register_stats("kv_store_client", store.stats, {"kvstore_writes_in_flight"}, doc="KV store client (prefill)")
     await set_serving(health, [SERVICE])
     logger.info(
-        "prefill worker ready: grpc %s:%d, kv data %s (%s), model %s, %d KV blocks of %d tokens, kv store %s (%s transfer), metrics %s",
-        config.host, port, sender.endpoint, config.transport, lm.model_id, engine.num_blocks, config.engine.block_size,
+        "prefill worker ready: grpc %s:%d%s, kv data %s (%s), model %s, %d KV blocks of %d tokens, kv store %s (%s transfer), metrics %s",
+        config.host, port, " (tls)" if config.tls.enabled else "", servicer.endpoint, config.transport, lm.model_id,
+        engine.num_blocks, config.engine.block_size,
         config.store.master or "off", config.store.transfer_mode, metrics.url if metrics else "off",
     )
     stop = stop_event_on_signals()

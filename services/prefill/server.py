@@ -25,23 +25,37 @@ from splitserve.telemetry.workers import observe_prefill
 from splitserve.transfer.base import KVSender
 
 logger = logging.getLogger(__name__)
+MAX_REQUEST_ID_LEN = 256
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
-    def __init__(self, engine: AsyncEngine, sender: KVSender, transport: str, lease_s: float, store: PrefillStore | None = None) -> None:
+    def __init__(
+        self, engine: AsyncEngine, sender: KVSender, transport: str, lease_s: float, store: PrefillStore | None = None,
+        advertise: str | None = None,
+    ) -> None:
         self.engine = engine
         self.store = store
         self.sender = sender
         self.transport = transport
         self.lease_s = lease_s
+        self.advertise = advertise
         self.leases = KVLeases(sender, engine.free_blocks, lease_s)
         self.grpc_bytes = GrpcByteCounter()
         self.num_requests = 0
+        self.in_flight = 0
+
+    @property
+    def endpoint(self) -> str:
+        """The data-plane endpoint put in KV handles."""
+        return self.advertise or self.sender.endpoint
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext) -> prefill_pb2.PrefillResponse:
         self.grpc_bytes.received(request)
-        request_id = request.request_id or uuid.uuid4().hex
-        try:
+        request_id = request.request_id
+        self.in_flight += 1
+        try:  # a cancelled call (router gone, deadline) aborts the prefill in the engine: engine.prefill is cancel-safe
+            if not request_id or len(request_id) > MAX_REQUEST_ID_LEN:
+                raise InvalidRequest(f"request_id is required (1..{MAX_REQUEST_ID_LEN} characters)")
             params = sampling_from_proto(request.sampling)
             if not request.prompt_token_ids:
                 raise InvalidRequest("prompt_token_ids is empty")
@@ -54,6 +68,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                 obs.done(out.cached_tokens, out.finish_reason)
         except PdError as exc:
             await abort_with(context, exc)
+        finally:
+            self.in_flight -= 1
         self.num_requests += 1
         response = prefill_pb2.PrefillResponse(
             request_id=request_id,
@@ -81,7 +97,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                     num_tokens=len(request.prompt_token_ids),
                     layout=layout_to_proto(self.engine.layout),
                     transport=self.transport,
-                    endpoint=self.sender.endpoint,
+                    endpoint=self.endpoint,
                     block_ids=out.block_ids,
                     lease_ms=int(self.lease_s * 1000),
                     via_store=via_store,
@@ -101,6 +117,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         s = self.sender.stats
         counters.update(
             requests=self.num_requests,
+            prefills_in_flight=self.in_flight,
             kv_transfers_held=len(self.leases),
             kv_leases_expired=self.leases.expired,
             ucx_bytes_sent=s.bytes_sent if self.transport == "ucx" else 0,

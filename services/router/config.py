@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 
 from splitserve.paths import default_model_path
+from splitserve.rpc.tls import TlsConfig, add_tls_args, tls_config
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,29 +19,41 @@ class RouterConfig:
     http_port: int = 8000
     grpc_port: int = 50050
     served_model_name: str | None = None
-    prefill_timeout_s: float = 60.0
+    prefill_timeout_s: float = 60.0  # liveness guard of one prefill call (a hung worker is retried elsewhere)
     policy: str = "round_robin"  # round_robin | least_loaded | prefix_aware
     disagg: str = "always"  # always | auto | <uncached-token threshold>
     poll_interval_s: float = 1.0  # worker heartbeat (health + stats poll) period
     miss_limit: int = 2  # missed heartbeats before a worker leaves rotation
     prefill_attempts: int = 2  # distinct prefill workers tried before local prefill on the decode worker
     decode_attempts: int = 2  # distinct decode workers tried before the stream starts
+    local_prefill_fallback: bool = True  # all prefill attempts failed: the decode worker prefills
+    request_timeout_s: float | None = None  # deadline of each HTTP request; None = none (gRPC: the caller's)
+    api_key: str | None = None  # Bearer key for the HTTP API and RouterService; None = open
+    tls: TlsConfig = TlsConfig()
 
     def __post_init__(self) -> None:
         if not self.prefill or not self.decode:
             raise ValueError("the router needs at least one --prefill and one --decode worker address")
         from splitserve.services.router.policies import POLICIES
 
+        if self.prefill_timeout_s <= 0:
+            raise ValueError(f"prefill_timeout_s must be > 0, got {self.prefill_timeout_s}")
         if self.policy not in POLICIES:
             raise ValueError(f"--policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         if self.disagg not in ("always", "auto") and not self.disagg.isdigit():
             raise ValueError(f"--disagg must be 'always', 'auto' or a token count, got {self.disagg!r}")
         if self.poll_interval_s <= 0 or self.miss_limit < 1 or self.prefill_attempts < 1 or self.decode_attempts < 1:
             raise ValueError("--poll-interval-s must be > 0; --miss-limit and the attempt counts >= 1")
+        if self.request_timeout_s is not None and self.request_timeout_s <= 0:
+            raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
 
 
 def _addresses(value: str) -> tuple[str, ...]:
     return tuple(a.strip() for a in value.split(",") if a.strip())
+
+
+def _optional_float(value: str | None) -> float | None:
+    return float(value) if value not in (None, "", "0", "0.0", "none") else None
 
 
 def parse(argv: list[str] | None = None) -> RouterConfig:
@@ -61,10 +74,20 @@ def parse(argv: list[str] | None = None) -> RouterConfig:
     ap.add_argument("--miss-limit", type=int, default=int(env("PD_MISS_LIMIT", "2")), help="missed heartbeats before a worker is marked down")
     ap.add_argument("--prefill-attempts", type=int, default=int(env("PD_PREFILL_ATTEMPTS", "2")))
     ap.add_argument("--decode-attempts", type=int, default=int(env("PD_DECODE_ATTEMPTS", "2")))
+    ap.add_argument("--local-prefill-fallback", action=argparse.BooleanOptionalAction,
+                    default=env("PD_LOCAL_PREFILL_FALLBACK", "1").lower() in ("1", "true", "yes", "on"),
+                    help="when no prefill worker succeeds, let the decode worker prefill")
+    ap.add_argument("--request-timeout-s", type=_optional_float, default=_optional_float(env("PD_REQUEST_TIMEOUT_S")),
+                    help="deadline of each HTTP request (0 or unset: none)")
+    ap.add_argument("--api-key", default=env("PD_API_KEY") or None,
+                    help="require Authorization: Bearer <key> on the HTTP API and RouterService (prefer PD_API_KEY)")
+    add_tls_args(ap)
     a = ap.parse_args(argv)
     return RouterConfig(
         model=a.model, prefill=a.prefill, decode=a.decode, host=a.host, http_port=a.http_port,
         grpc_port=a.grpc_port, served_model_name=a.served_model_name, prefill_timeout_s=a.prefill_timeout_s,
         policy=a.policy, disagg=a.disagg.strip().lower(), poll_interval_s=a.poll_interval_s, miss_limit=a.miss_limit,
         prefill_attempts=a.prefill_attempts, decode_attempts=a.decode_attempts,
+        local_prefill_fallback=a.local_prefill_fallback, request_timeout_s=a.request_timeout_s,
+        api_key=a.api_key, tls=tls_config(a),
     )

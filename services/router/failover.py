@@ -19,13 +19,16 @@ Clients cannot pick workers: addresses come only from the registry (router confi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from collections import Counter
 from typing import AsyncIterator
 
 import grpc
 from pd.v1 import decode_pb2, prefill_pb2
 
+from splitserve.deadline import hop_timeout, time_left
 from splitserve.engine.sampling import SamplingParams
 from splitserve.errors import WorkerUnavailable
 from splitserve.frontend.backend import TokenEvent
@@ -62,7 +65,7 @@ class RoutedBackend(DisaggregatedBackend):
 
     def __init__(self, registry: WorkerRegistry, policy: Policy | None = None, disagg: DisaggregationPolicy | None = None,
                  *, prefill_timeout_s: float = 60.0, prefill_attempts: int = 2, decode_attempts: int = 2,
-                 wait_for_workers_s: float = 5.0) -> None:
+                 wait_for_workers_s: float = 5.0, local_prefill_fallback: bool = True) -> None:
         self.registry = registry
         self.prefill_workers = registry.workers[PREFILL]  # for check_layouts / close of the base class
         self.decode_workers = registry.workers[DECODE]
@@ -71,7 +74,12 @@ class RoutedBackend(DisaggregatedBackend):
         self.prefill_timeout_s = prefill_timeout_s
         self.prefill_attempts, self.decode_attempts = max(prefill_attempts, 1), max(decode_attempts, 1)
         self.wait_for_workers_s = wait_for_workers_s
+        self.local_prefill_fallback = local_prefill_fallback
         self._block_size_set = False
+        # base-class state used by stats(), _release() / _release_soon() and close()
+        self.counters: Counter[str] = Counter()
+        self.streams_open = 0
+        self._background: set[asyncio.Task] = set()
 
     def start(self) -> None:
         self.registry.start()
@@ -101,7 +109,26 @@ class RoutedBackend(DisaggregatedBackend):
         ROUTER_WORKER_PICKS.labels(role, w.address).inc()
         return w
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenEvent]:
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, deadline: float | None = None
+    ) -> AsyncIterator[TokenEvent]:
+        """Stream the request's tokens. ``deadline``: absolute ``time.monotonic()`` time, or None."""
+        self.counters["requests"] += 1
+        self.streams_open += 1
+        try:
+            async with contextlib.aclosing(self._generate(request_id, prompt_token_ids, params, deadline)) as events:
+                async for ev in events:
+                    yield ev
+        finally:
+            self.streams_open -= 1
+
+    def _retryable(self, exc: grpc.aio.AioRpcError, deadline: float | None) -> bool:
+        left = time_left(deadline)
+        return exc.code() in RETRYABLE and (left is None or left > 0)
+
+    async def _generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, deadline: float | None
+    ) -> AsyncIterator[TokenEvent]:
         self._sync_block_size()
         if not await self.registry.wait_for(DECODE, self.wait_for_workers_s):
             raise WorkerUnavailable("no decode worker is up")
@@ -115,20 +142,26 @@ class RoutedBackend(DisaggregatedBackend):
         prefill = self._pick(PREFILL, prompt, prefill_tried)
 
         resp = None
+        if prefill is None and not self.local_prefill_fallback and self.disagg.mode == "always":
+            raise WorkerUnavailable("no prefill worker is up")
         if prefill is not None:
             uncached = len(prompt) - self.policy.matched_tokens(prefill, prompt)
             decision = self.disagg.decide(uncached, prefill.inflight_prefill_tokens, decode.running_requests)
             while not decision.local and prefill is not None:
-                resp = await self._try_prefill(prefill, request_id, prompt, sampling, uncached)
+                resp = await self._try_prefill(prefill, request_id, prompt, sampling, uncached, deadline)
                 if resp is not None:
                     break
                 prefill_tried.add(prefill.address)
                 if len(prefill_tried) >= self.prefill_attempts:
                     break
                 ROUTER_FAILOVERS.labels(PREFILL).inc()
+                self.counters["prefill_retries"] += 1
                 prefill = self._pick(PREFILL, prompt, prefill_tried)
             if resp is None and not decision.local:
+                if not self.local_prefill_fallback:
+                    raise WorkerUnavailable(f"no prefill worker succeeded ({','.join(sorted(prefill_tried)) or 'none up'})")
                 ROUTER_FAILOVERS.labels("local_prefill").inc()
+                self.counters["local_prefill_fallbacks"] += 1
                 logger.warning("request %s: no prefill worker succeeded (%s); prefilling on the decode worker", request_id,
                                ",".join(sorted(prefill_tried)) or "none up")
         if resp is not None:
@@ -151,9 +184,13 @@ class RoutedBackend(DisaggregatedBackend):
                 t0 = time.monotonic()
                 d = decode
                 d.inflight_requests += 1
-                call = d.stub.Decode(req)
+                call = d.stub.Decode(req, timeout=hop_timeout(deadline))
                 try:
                     async for msg in call:
+                        if not started and msg.kv_recomputed and not local:
+                            # the decode worker could not pull the KV and recomputed it: free it on the prefill worker
+                            self.counters["kv_recomputed"] += 1
+                            self._release_soon(prefill, resp.kv_handle.transfer_id)
                         if not started:
                             started = True
                             dt = time.monotonic() - t0
@@ -168,7 +205,7 @@ class RoutedBackend(DisaggregatedBackend):
                         yield TokenEvent(list(msg.token_ids), finish, msg.cached_tokens)
                     return
                 except grpc.aio.AioRpcError as exc:
-                    if started or exc.code() not in RETRYABLE:
+                    if started or not self._retryable(exc, deadline):
                         raise error_from_rpc(exc, f"decode worker {decode.address}") from exc
                     if exc.code() in _DOWN:
                         self.registry.mark_failed(decode, exc.code().name)
@@ -177,6 +214,7 @@ class RoutedBackend(DisaggregatedBackend):
                     if nxt is None:
                         raise error_from_rpc(exc, f"decode worker {decode.address}") from exc
                     ROUTER_FAILOVERS.labels(DECODE).inc()
+                    self.counters["decode_retries"] += 1
                     logger.warning("request %s: decode worker %s failed before streaming (%s); trying %s", request_id,
                                    decode.address, exc.code().name, nxt.address)
                     decode = nxt
@@ -186,9 +224,10 @@ class RoutedBackend(DisaggregatedBackend):
                         call.cancel()
         finally:
             if not started and resp is not None and resp.HasField("kv_handle"):
-                await self._release(prefill, resp.kv_handle.transfer_id)
+                self._release_soon(prefill, resp.kv_handle.transfer_id)  # in the background: survives our cancellation
 
-    async def _try_prefill(self, w: WorkerState, request_id: str, prompt: list[int], sampling, uncached: int):
+    async def _try_prefill(self, w: WorkerState, request_id: str, prompt: list[int], sampling, uncached: int,
+                           deadline: float | None = None):
         """The PrefillResponse, or None after a retryable failure (raises a typed error for the others)."""
         w.inflight_requests += 1
         w.inflight_prefill_tokens += uncached
@@ -196,10 +235,10 @@ class RoutedBackend(DisaggregatedBackend):
         try:
             resp = await w.stub.Prefill(
                 prefill_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling),
-                timeout=self.prefill_timeout_s,
+                timeout=hop_timeout(deadline, self.prefill_timeout_s),
             )
         except grpc.aio.AioRpcError as exc:
-            if exc.code() not in RETRYABLE:
+            if not self._retryable(exc, deadline):
                 raise error_from_rpc(exc, f"prefill worker {w.address}") from exc
             if exc.code() in _DOWN:
                 self.registry.mark_failed(w, exc.code().name)
@@ -213,4 +252,6 @@ class RoutedBackend(DisaggregatedBackend):
         return resp
 
     async def close(self) -> None:
+        if self._background:
+            await asyncio.wait(list(self._background), timeout=5)
         await self.registry.close()

@@ -25,13 +25,16 @@ SERVICE = router_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name
 
 async def serve(config: RouterConfig) -> None:
     served = load_served_model(config.model, config.served_model_name)
-    backend = build_backend(config)  # registry + policy + conditional disaggregation + failover
+    backend = build_backend(config)  # registry + policy + conditional disaggregation + failover (+ deadlines)
     backend.start()
-    server, health = create_server()
+    server, health = create_server(api_key=config.api_key, protected_services=[SERVICE])
     router_pb2_grpc.add_RouterServiceServicer_to_server(RouterServicer(backend, served.tokenizer, served.max_model_len, served.name), server)
-    grpc_port = bind(server, config.host, config.grpc_port)
+    grpc_port = bind(server, config.host, config.grpc_port, config.tls)
     await server.start()
-    app = instrument_app(build_app(served, backend, extra_routes=[metrics_route("frontend", "router"), workers_route(backend)]))  # /metrics; HTTP spans if tracing
+    app = instrument_app(build_app(  # /metrics; HTTP spans if tracing
+        served, backend, extra_routes=[metrics_route("frontend", "router"), workers_route(backend)],
+        api_key=config.api_key, request_timeout_s=config.request_timeout_s,
+    ))
     http = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.http_port, log_level="warning", lifespan="off"))
     http.install_signal_handlers = lambda: None  # signals are ours (stop_event_on_signals)
     http_task = asyncio.create_task(http.serve())
@@ -44,8 +47,9 @@ async def serve(config: RouterConfig) -> None:
         layout_check = asyncio.create_task(backend.check_layouts())  # workers may still be starting
     await set_serving(health, [SERVICE])
     logger.info(
-        "router ready: http http://%s:%d/v1, grpc %s:%d, model %s, prefill %s, decode %s",
-        config.host, config.http_port, config.host, grpc_port, served.name, ",".join(config.prefill), ",".join(config.decode),
+        "router ready: http http://%s:%d/v1, grpc %s:%d%s, model %s, prefill %s, decode %s%s",
+        config.host, config.http_port, config.host, grpc_port, " (tls)" if config.tls.enabled else "", served.name,
+        ",".join(config.prefill), ",".join(config.decode), ", API key required" if config.api_key else "",
     )
     stop = stop_event_on_signals()
     try:

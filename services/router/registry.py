@@ -26,7 +26,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pd.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
 from splitserve.rpc.convert import layout_from_proto
-from splitserve.rpc.server import insecure_channel
+from splitserve.rpc.server import channel
+from splitserve.rpc.tls import TlsConfig
 from splitserve.telemetry.metrics import ROUTER_WORKER_UP
 from splitserve.transfer.layout import KVLayout
 
@@ -100,7 +101,8 @@ class WorkerRegistry:
     """
 
     def __init__(self, prefill: list[str], decode: list[str], *, poll_interval_s: float = 1.0, poll_timeout_s: float = 2.0,
-                 miss_limit: int = 2, clock: Callable[[], float] = time.monotonic) -> None:
+                 miss_limit: int = 2, clock: Callable[[], float] = time.monotonic,
+                 tls: TlsConfig | None = None) -> None:
         if not prefill or not decode:
             raise ValueError("need at least one prefill and one decode worker address")
         if poll_interval_s <= 0 or poll_timeout_s <= 0 or miss_limit < 1:
@@ -109,7 +111,7 @@ class WorkerRegistry:
         self.workers: dict[str, list[WorkerState]] = {PREFILL: [], DECODE: []}
         for role, addrs in ((PREFILL, prefill), (DECODE, decode)):
             for a in addrs:
-                ch = insecure_channel(a)
+                ch = channel(a, tls)
                 self.workers[role].append(WorkerState(a, role, ch, _STUBS[role](ch)))
         self._task: asyncio.Task | None = None
         self._changed = asyncio.Event()

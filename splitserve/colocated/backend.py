@@ -18,7 +18,10 @@ class LocalBackend:
     async def ready(self) -> bool:
         return True
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenEvent]:
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, deadline: float | None = None
+    ) -> AsyncIterator[TokenEvent]:
+        """Tokens of the local engine. ``deadline`` needs no propagation here: the caller enforces it."""
         stream = self.engine.generate(request_id, prompt_token_ids, params)
         try:
             async for out in stream:

@@ -19,6 +19,7 @@ from splitserve.frontend.http_app import build_app
 from splitserve.logs import setup_logging
 from splitserve.model import load_model
 from splitserve.rpc.server import bind, create_server, set_serving, stop_event_on_signals
+from splitserve.rpc.tls import add_tls_args, tls_config
 from splitserve.served_model import ServedModel
 from splitserve.telemetry.asgi import instrument_app, metrics_route
 from splitserve.telemetry.exposition import register_engine
@@ -34,12 +35,14 @@ async def serve(args: argparse.Namespace) -> None:
     await engine.start()
     backend = LocalBackend(engine)
     served = ServedModel(args.served_model_name or Path(args.model).name.removesuffix(".gguf"), lm.tokenizer, lm.max_model_len)
-    server, health = create_server()
+    api_key = args.api_key or None
+    server, health = create_server(api_key=api_key, protected_services=["pd.v1.RouterService"])
     router_pb2_grpc.add_RouterServiceServicer_to_server(RouterServicer(backend, lm.tokenizer, lm.max_model_len, served.name), server)
-    grpc_port = bind(server, args.host, args.grpc_port)
+    grpc_port = bind(server, args.host, args.grpc_port, tls_config(args))
     register_engine(engine)
     await server.start()
-    http = uvicorn.Server(uvicorn.Config(instrument_app(build_app(served, backend, extra_routes=[metrics_route()])), host=args.host, port=args.http_port, log_level="warning", lifespan="off"))
+    app = instrument_app(build_app(served, backend, api_key=api_key, extra_routes=[metrics_route()]))
+    http = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.http_port, log_level="warning", lifespan="off"))
     http.install_signal_handlers = lambda: None
     http_task = asyncio.create_task(http.serve())
     await set_serving(health, ["pd.v1.RouterService"])
@@ -62,6 +65,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--host", default=env("PD_HOST", "127.0.0.1"))
     ap.add_argument("--http-port", type=int, default=int(env("PD_HTTP_PORT", "8000")))
     ap.add_argument("--grpc-port", type=int, default=int(env("PD_GRPC_PORT", "50050")))
+    ap.add_argument("--api-key", default=env("PD_API_KEY"), help="require Authorization: Bearer <key> (prefer PD_API_KEY)")
+    add_tls_args(ap)
     setup_logging("coloc")
     setup_tracing("splitserve-colocated")
     asyncio.run(serve(ap.parse_args(argv)))

@@ -101,7 +101,7 @@ class AsyncEngine:
 
     async def _stream(self, seq: Sequence) -> AsyncIterator[RequestOutput]:
         if seq.request_id in self._queues:
-            if seq.block_table:  # never handed to the scheduler
+            if seq.block_table:  # decode_prefilled handed us its blocks: they are ours to free
                 self.core.free(seq.block_table)
             raise InvalidRequest(f"duplicate request_id {seq.request_id}")
         q: asyncio.Queue = asyncio.Queue()
@@ -171,12 +171,15 @@ class AsyncEngine:
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, first_token_id: int, block_ids: list[int],
         num_computed_tokens: int | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Continue a request whose prompt KV is already in ``block_ids`` (ownership passes to the engine).
+        """Continue a request whose prompt KV is already in ``block_ids`` (ownership passes to the engine
+        once the returned stream is first iterated; raising here leaves them with the caller).
 
         ``num_computed_tokens`` (default: the whole prompt) prompt tokens have K/V in the blocks; the first
         step then computes the remaining prompt tokens together with ``first_token_id`` (e.g. the part of
         a prompt that could not be read from the KV store)."""
         self._validate(prompt_token_ids)
+        if not 0 <= first_token_id < self.lm.config.vocab_size:
+            raise InvalidRequest(f"first_token_id {first_token_id} is outside the vocabulary [0, {self.lm.config.vocab_size})")
         n = len(prompt_token_ids) if num_computed_tokens is None else num_computed_tokens
         self._check_cached(len(prompt_token_ids), block_ids, n)
         seq = Sequence(request_id, list(prompt_token_ids), params, SeqMode.DECODE_PREFILLED)

@@ -127,7 +127,7 @@ class EngineCore:
             self.block_manager.incref(arg)
         elif kind == "allocate":
             num_blocks, fut = arg
-            if not fut.set_running_or_notify_cancel():  # the caller gave up before we got to it
+            if not fut.set_running_or_notify_cancel():  # the caller gave up: allocate nothing
                 return
             try:
                 fut.set_result(self.block_manager.allocate(num_blocks))

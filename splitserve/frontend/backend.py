@@ -37,16 +37,18 @@ class GenerationBackend(Protocol):
     """Something that turns prompt token ids into a stream of :class:`TokenEvent`."""
 
     def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, deadline: float | None = None
     ) -> AsyncIterator[TokenEvent]:
         """Start generating; returns an async generator of events.
 
-        Closing the generator early (``aclose()``: stop string, client disconnect)
-        aborts the request and frees its KV blocks.
+        Closing the generator early (``aclose()``: stop string, client disconnect,
+        deadline) aborts the request and frees its KV blocks. ``deadline`` is an absolute
+        ``time.monotonic()`` time, passed only when the request has one; a backend that calls
+        other services gives each call the time left (the caller enforces it as well).
 
         Raises:
             splitserve.errors.PdError subclasses (InvalidRequest, CapacityExhausted,
-            WorkerUnavailable, KVTransferError, KVLayoutMismatch, ...), either when the
+            WorkerUnavailable, KVTransferError, KVLayoutMismatch, DeadlineExceeded, ...), either when the
             first event is requested or later.
         """
         ...

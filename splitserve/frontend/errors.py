@@ -11,6 +11,7 @@ Mapping:
     KVTransferError               -> 503 server_error / kv_transfer_failed
     TransferNotFound              -> 503 server_error / kv_transfer_not_found
     KVLayoutMismatch              -> 500 server_error / kv_layout_mismatch
+    DeadlineExceeded              -> 504 server_error / deadline_exceeded
     any other exception           -> 500 server_error / internal_error (message not leaked)
 
 503 is used for capacity problems (not 429): they are server-wide and transient, not a
@@ -73,6 +74,7 @@ _PD_ERRORS: list[tuple[type[Exception], int, str, str | None]] = [
     (pd.KVTransferError, 503, "server_error", "kv_transfer_failed"),
     (pd.TransferNotFound, 503, "server_error", "kv_transfer_not_found"),
     (pd.KVLayoutMismatch, 500, "server_error", "kv_layout_mismatch"),
+    (pd.DeadlineExceeded, 504, "server_error", "deadline_exceeded"),
 ]
 
 

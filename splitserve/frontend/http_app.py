@@ -12,6 +12,10 @@ error after streaming started becomes an SSE ``data: {"error": {...}}`` event fo
 ``data: [DONE]`` (as vLLM does). A client disconnect, streaming or not, closes the
 pipeline and so aborts the backend request. Request ids (``cmpl-<hex>`` /
 ``chatcmpl-<hex>``) are made here; client-supplied ids are ignored.
+
+Hostile input: bodies above ``max_body_bytes`` get 413 unread; no field or header can name a
+worker, a KV transfer endpoint or a store (unknown fields are 400, headers are not consulted);
+with ``api_key`` every route but ``/health`` needs ``Authorization: Bearer <key>`` (401).
 """
 
 from __future__ import annotations
@@ -24,11 +28,14 @@ from typing import Any
 import anyio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
+from splitserve.deadline import deadline_after
 from splitserve.engine.sampling import SamplingParams
+from splitserve.frontend.auth import ApiKeyMiddleware
 from splitserve.frontend.backend import GenerationBackend, ModelInfo
 from splitserve.frontend.chat import encode_chat
 from splitserve.frontend.errors import APIError, error_response, to_api_error
@@ -45,8 +52,18 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16
 CLIENT_CLOSED_REQUEST = 499
 
 
+DEFAULT_MAX_BODY_BYTES = 16 * 2**20
+"""Largest request body accepted (413 above): a prompt of a 1M-token context fits."""
+
+
 def build_app(
-    model_info: ModelInfo, backend: GenerationBackend, *, extra_routes: Sequence[BaseRoute] | None = None
+    model_info: ModelInfo,
+    backend: GenerationBackend,
+    *,
+    extra_routes: Sequence[BaseRoute] | None = None,
+    api_key: str | None = None,
+    request_timeout_s: float | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> Starlette:
     """Build the ASGI app serving ``model_info`` with tokens from ``backend``.
 
@@ -54,8 +71,14 @@ def build_app(
         model_info: ``name``, ``tokenizer`` (TokenizerLike) and ``max_model_len``.
         backend: the :class:`GenerationBackend` (colocated engine or P/D router).
         extra_routes: more Starlette routes to mount (e.g. metrics, admin).
+        api_key: when set, every route but ``/health`` needs ``Authorization: Bearer <api_key>`` (401).
+        request_timeout_s: when set, each generation request gets this deadline (504
+            ``deadline_exceeded`` before the first byte, an SSE error event after); None: no deadline.
+        max_body_bytes: larger request bodies get 413 without being read.
     """
-    api = _OpenAIServer(model_info, backend)
+    if request_timeout_s is not None and request_timeout_s <= 0:
+        raise ValueError(f"request_timeout_s must be > 0, got {request_timeout_s}")
+    api = _OpenAIServer(model_info, backend, request_timeout_s, max_body_bytes)
     routes: list[BaseRoute] = [
         Route("/v1/completions", api.completions, methods=["POST"]),
         Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
@@ -63,7 +86,8 @@ def build_app(
         Route("/health", api.health, methods=["GET"]),
         *(extra_routes or ()),
     ]
-    return Starlette(routes=routes, exception_handlers={HTTPException: _on_error, Exception: _on_error})
+    middleware = [Middleware(ApiKeyMiddleware, api_key=api_key)] if api_key else []
+    return Starlette(routes=routes, middleware=middleware, exception_handlers={HTTPException: _on_error, Exception: _on_error})
 
 
 async def _on_error(request: Request, exc: Exception) -> Response:
@@ -73,16 +97,20 @@ async def _on_error(request: Request, exc: Exception) -> Response:
 class _OpenAIServer:
     """Request handlers bound to one model and backend."""
 
-    def __init__(self, model_info: ModelInfo, backend: GenerationBackend) -> None:
+    def __init__(
+        self, model_info: ModelInfo, backend: GenerationBackend, request_timeout_s: float | None, max_body_bytes: int
+    ) -> None:
         self.info = model_info
         self.backend = backend
         self.tokenizer = model_info.tokenizer
         self.created = int(time.time())
+        self.request_timeout_s = request_timeout_s
+        self.max_body_bytes = max_body_bytes
 
     async def completions(self, request: Request) -> Response:
         """``POST /v1/completions``."""
         try:
-            req = v.parse_request(await request.body(), CompletionRequest, v.UNSUPPORTED_COMPLETION)
+            req = v.parse_request(await v.read_body(request, self.max_body_bytes), CompletionRequest, v.UNSUPPORTED_COMPLETION)
             v.check_model(req.model, self.info.name)
             prompt_ids = v.completion_prompt_ids(req, self.tokenizer)
             requested = COMPLETION_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
@@ -95,7 +123,7 @@ class _OpenAIServer:
     async def chat_completions(self, request: Request) -> Response:
         """``POST /v1/chat/completions``."""
         try:
-            req = v.parse_request(await request.body(), ChatCompletionRequest, v.UNSUPPORTED_CHAT)
+            req = v.parse_request(await v.read_body(request, self.max_body_bytes), ChatCompletionRequest, v.UNSUPPORTED_CHAT)
             v.check_model(req.model, self.info.name)
             prompt_ids = encode_chat(self.tokenizer, [m.template_dict() for m in req.messages])
             params = self._params(req, prompt_ids, req.requested_max_tokens, "messages")
@@ -128,8 +156,9 @@ class _OpenAIServer:
     async def _serve(
         self, request: Request, req: GenerationRequest, prompt_ids: list[int], params: SamplingParams, fmt: ResponseFormatter
     ) -> Response:
+        deadline = deadline_after(self.request_timeout_s)
         deltas = observe_request(  # request span + TTFT/ITL metrics around the pipeline
-            generate_text(self.backend, self.tokenizer, fmt.id, prompt_ids, params, req.stop_list()),
+            generate_text(self.backend, self.tokenizer, fmt.id, prompt_ids, params, req.stop_list(), deadline),
             model=self.info.name, request_id=fmt.id, prompt_tokens=len(prompt_ids), params=params, stream=req.stream,
         )
         headers = {"x-request-id": fmt.id}

@@ -14,7 +14,9 @@ from typing import Any
 
 import anyio
 
+from splitserve.deadline import time_left
 from splitserve.engine.sampling import SamplingParams
+from splitserve.errors import DeadlineExceeded
 from splitserve.frontend.backend import GenerationBackend
 from splitserve.frontend.detokenizer import IncrementalDetokenizer
 from splitserve.frontend.stop import StopChecker
@@ -46,6 +48,7 @@ async def generate_text(
     prompt_ids: Sequence[int],
     params: SamplingParams,
     stop: Sequence[str] = (),
+    deadline: float | None = None,
 ) -> AsyncIterator[TextDelta]:
     """Generate text for one request; an async generator of :class:`TextDelta`.
 
@@ -53,14 +56,23 @@ async def generate_text(
     string, whose text is excluded), "length" (``params.max_tokens`` tokens) or "abort"
     (the backend ended without a finish reason). On a stop-string match the backend
     iterator is closed before the final delta is yielded. Backend exceptions propagate.
+
+    ``deadline`` (absolute ``time.monotonic()`` time, or None) is handed to the backend, which
+    gives each hop the time left; it is also enforced here: once it passes, the backend
+    request is aborted and :class:`splitserve.errors.DeadlineExceeded` is raised.
     """
     detok = IncrementalDetokenizer(tokenizer, prompt_ids)
     checker = StopChecker(stop)
-    events = backend.generate(request_id, list(prompt_ids), params)
+    extra = {} if deadline is None else {"deadline": deadline}  # backends without deadlines keep working
+    events = backend.generate(request_id, list(prompt_ids), params, **extra)
     produced = 0
     cached = 0
     try:
-        async for event in events:
+        while True:
+            try:
+                event = await _next(events, deadline)
+            except StopAsyncIteration:
+                break
             cached = max(cached, event.cached_tokens)
             ids = list(event.token_ids)
             finish = event.finish_reason
@@ -83,6 +95,19 @@ async def generate_text(
         yield TextDelta(checker.flush(), [], "abort", cached)
     finally:
         await _close(events)
+
+
+async def _next(events: Any, deadline: float | None) -> Any:
+    if deadline is None:
+        return await events.__anext__()
+    left = time_left(deadline)
+    if left <= 0:
+        raise DeadlineExceeded("the request's deadline has passed")
+    try:
+        with anyio.fail_after(left):
+            return await events.__anext__()
+    except TimeoutError:
+        raise DeadlineExceeded("the request's deadline passed while waiting for the backend") from None
 
 
 async def _close(events: Any) -> None:

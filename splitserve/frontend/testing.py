@@ -88,7 +88,8 @@ class ScriptedBackend:
         is_ready: what ``ready()`` returns.
 
     Records: ``calls`` (request_id, prompt_ids, params), ``aborted`` (request ids whose
-    generator was closed or cancelled before finishing), ``finished`` (ran to the end).
+    generator was closed or cancelled before finishing), ``finished`` (ran to the end),
+    ``deadlines`` (the deadline each call got).
     """
 
     script: Script = ()
@@ -102,6 +103,7 @@ class ScriptedBackend:
     calls: list[tuple[str, list[int], SamplingParams]] = field(default_factory=list)
     aborted: set[str] = field(default_factory=set)
     finished: set[str] = field(default_factory=set)
+    deadlines: list[float | None] = field(default_factory=list)
     started: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def ready(self) -> bool:
@@ -109,10 +111,11 @@ class ScriptedBackend:
         return self.is_ready
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, deadline: float | None = None
     ) -> AsyncIterator[TokenEvent]:
         """Yield the scripted tokens as TokenEvents, honouring max_tokens and stop ids."""
         self.calls.append((request_id, list(prompt_token_ids), params))
+        self.deadlines.append(deadline)
         self.started.set()
         tokens = list(self.script(prompt_token_ids, params) if callable(self.script) else self.script)
         done = False

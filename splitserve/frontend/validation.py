@@ -69,6 +69,34 @@ _UNION_HINTS = {
 }
 
 
+async def read_body(request: Any, max_bytes: int) -> bytes:
+    """The request body, refusing more than ``max_bytes`` (by Content-Length, or while reading).
+
+    Raises:
+        APIError: 413 when the body is too large; 400 for a malformed Content-Length.
+    """
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            size = int(declared)
+        except ValueError:
+            raise APIError("Malformed Content-Length header.") from None
+        if size > max_bytes:
+            raise _too_large(max_bytes)
+    chunks: list[bytes] = []
+    total = 0
+    async for chunk in request.stream():
+        total += len(chunk)
+        if total > max_bytes:
+            raise _too_large(max_bytes)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(max_bytes: int) -> APIError:
+    return APIError(f"The request body is larger than {max_bytes} bytes.", status=413, code="request_too_large")
+
+
 def parse_request(body: bytes, cls: type[M], unsupported: dict[str, Callable[[Any], bool]]) -> M:
     """Parse and validate a JSON request body into ``cls``.
 

@@ -1,37 +1,96 @@
-"""Shared gRPC server plumbing for every service: aio server, health service, graceful stop."""
+"""Shared gRPC plumbing for every service: aio server, health service, limits, TLS, graceful stop."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
+from typing import Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from splitserve.rpc.interceptors import ApiKeyInterceptor, StrictDecodeInterceptor
+from splitserve.rpc.tls import TlsConfig
 from splitserve.telemetry.interceptors import client_interceptors, server_interceptors
 
 logger = logging.getLogger(__name__)
 
-# Control messages are small, but prompts of long contexts are not: allow 64 MiB of token ids.
-GRPC_OPTIONS = [
-    ("grpc.max_send_message_length", 64 * 2**20),
-    ("grpc.max_receive_message_length", 64 * 2**20),
-]
+
+def max_message_bytes() -> int:
+    """Largest gRPC message any server or channel accepts or sends (``PD_GRPC_MAX_MESSAGE_MB``, default 16).
+
+    pd.v1 carries control data only (KV bytes go over UCX). The largest legitimate message is a prompt of
+    the longest context, as token ids (<= 5 bytes each) or text (a few bytes per token): 16 MiB covers a
+    1M-token context. Anything larger is refused with RESOURCE_EXHAUSTED before it is parsed."""
+    mb = int(os.environ.get("PD_GRPC_MAX_MESSAGE_MB", "16"))
+    if mb < 1:
+        raise ValueError(f"PD_GRPC_MAX_MESSAGE_MB must be >= 1, got {mb}")
+    return mb * 2**20
 
 
-def create_server() -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
-    server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=server_interceptors())  # tracing, if set up
+def _limits() -> list[tuple[str, int]]:
+    n = max_message_bytes()
+    return [
+        ("grpc.max_send_message_length", n),
+        ("grpc.max_receive_message_length", n),
+        ("grpc.max_metadata_size", 16 * 1024),  # auth + trace headers; far below any abuse
+    ]
+
+
+#: the message and metadata limits every server and channel uses (as of import; see max_message_bytes)
+GRPC_OPTIONS = _limits()
+
+
+def server_options() -> list[tuple[str, int]]:
+    return [
+        *_limits(),
+        # Ping clients of idle streams: a peer that vanished without closing its socket is detected in
+        # ~40 s and its streaming handlers are cancelled (they never block forever).
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),  # accept our clients' pings
+    ]
+
+
+def channel_options() -> list[tuple[str, int]]:
+    return [
+        *_limits(),
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.http2.max_pings_without_data", 0),
+        # A restarted worker is used again within seconds (gRPC's default backoff grows to 2 minutes).
+        ("grpc.initial_reconnect_backoff_ms", 500),
+        ("grpc.max_reconnect_backoff_ms", 5_000),
+    ]
+
+
+def create_server(
+    *, api_key: str | None = None, protected_services: Sequence[str] = ()
+) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
+    """An aio server with a health service, message size limits, requests that fail to parse refused
+    with INVALID_ARGUMENT, and (with ``api_key``) ``authorization: Bearer <key>`` required on the methods
+    of ``protected_services`` (full names, e.g. ``pd.v1.RouterService``)."""
+    interceptors: list[grpc.aio.ServerInterceptor] = [*server_interceptors()]  # tracing, if set up
+    if api_key:
+        interceptors.append(ApiKeyInterceptor(api_key, protected_services))
+    interceptors.append(StrictDecodeInterceptor())
+    server = grpc.aio.server(options=server_options(), interceptors=interceptors)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     return server, health_servicer
 
 
-def bind(server: grpc.aio.Server, host: str, port: int) -> int:
-    """Bind insecure on host:port (0 = any free port); returns the bound port."""
-    bound = server.add_insecure_port(f"{host}:{port}")
+def bind(server: grpc.aio.Server, host: str, port: int, tls: TlsConfig | None = None) -> int:
+    """Bind on host:port (0 = any free port), with TLS when ``tls`` is enabled; returns the bound port."""
+    address = f"{host}:{port}"
+    if tls is not None and tls.enabled:
+        bound = server.add_secure_port(address, tls.server_credentials())
+    else:
+        bound = server.add_insecure_port(address)
     if bound == 0:
-        raise OSError(f"cannot bind gRPC server to {host}:{port}")
+        raise OSError(f"cannot bind gRPC server to {address}")
     return bound
 
 
@@ -50,5 +109,22 @@ def stop_event_on_signals() -> asyncio.Event:
     return stop
 
 
+def channel(address: str, tls: TlsConfig | None = None) -> grpc.aio.Channel:
+    """An aio channel to ``address`` with the shared limits; TLS (and a client certificate) when enabled."""
+    if tls is not None and tls.enabled:
+        return grpc.aio.secure_channel(
+            address, tls.channel_credentials(), options=[*channel_options(), *tls.channel_options()],
+            interceptors=client_interceptors(),
+        )
+    return grpc.aio.insecure_channel(address, options=channel_options(), interceptors=client_interceptors())
+
+
 def insecure_channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=GRPC_OPTIONS, interceptors=client_interceptors())
+    return channel(address)
+
+
+def sync_channel(address: str, tls: TlsConfig | None = None) -> grpc.Channel:
+    """A blocking channel (health polling in the launcher)."""
+    if tls is not None and tls.enabled:
+        return grpc.secure_channel(address, tls.channel_credentials(), options=[*channel_options(), *tls.channel_options()])
+    return grpc.insecure_channel(address, options=channel_options())

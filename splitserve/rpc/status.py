@@ -26,6 +26,7 @@ _TO_CODE: list[tuple[type[Exception], grpc.StatusCode]] = [
     (errors.CapacityExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (errors.KVTransferError, grpc.StatusCode.UNAVAILABLE),
     (errors.WorkerUnavailable, grpc.StatusCode.UNAVAILABLE),
+    (errors.DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
 ]
 
 _FROM_CODE: dict[grpc.StatusCode, type[errors.PdError]] = {
@@ -33,6 +34,7 @@ _FROM_CODE: dict[grpc.StatusCode, type[errors.PdError]] = {
     grpc.StatusCode.FAILED_PRECONDITION: errors.KVLayoutMismatch,
     grpc.StatusCode.NOT_FOUND: errors.TransferNotFound,
     grpc.StatusCode.RESOURCE_EXHAUSTED: errors.CapacityExhausted,
+    grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceeded,
 }
 
 

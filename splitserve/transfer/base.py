@@ -19,6 +19,8 @@ Errors raised by :meth:`KVReceiver.fetch` (all :class:`splitserve.errors.PdError
 * :class:`TransferRefused`   -- (a :class:`KVTransferError`) the request named blocks that were not
   registered under that id, or was otherwise malformed; the registration is left intact.
 * :class:`KVLayoutMismatch`  -- the two KV layouts differ (bytes per block or layout digest).
+* :class:`KVChecksumMismatch` -- (a :class:`KVTransferError`) with ``verify_checksum``: the bytes that
+  arrived differ from the sender's xxh3-64 of its blocks. The destination blocks hold garbage.
 * :class:`KVTransferError`   -- peer unreachable, connection reset, timeout, sender closing.
 * :class:`InvalidRequest`    -- the local arguments are wrong (length mismatch, ids out of range, ...).
 """
@@ -64,6 +66,7 @@ class TransferStats:
     bytes_received: int = 0
     transfers_ok: int = 0
     transfers_failed: int = 0
+    checksum_failures: int = 0  # receiver: transfers whose bytes did not match the sender's checksum
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -160,12 +163,14 @@ def create_sender(
     kind: str, kv_cache: torch.Tensor, layout: KVLayout, *, host: str = "127.0.0.1", port: int = 0, **options
 ) -> KVSender:
     """Create (not start) a sender serving ``kv_cache``. ``host`` is the advertised host (a wildcard such as
-    0.0.0.0 is replaced by this machine's address); ``port`` 0 picks a free one. Extra keyword options go
-    to the backend (ucx: ``send_timeout_s``)."""
+    0.0.0.0 is replaced by this machine's address); ``port`` 0 picks a free one. Extra keyword options go to the backend
+    (ucx: ``send_timeout_s``; all: ``corrupt_sends``, fault injection for tests, see
+    :mod:`splitserve.transfer.faults`)."""
     return _backend(kind, 1)(kv_cache, layout, host=host, port=port, **options)
 
 
 def create_receiver(kind: str, kv_cache: torch.Tensor, layout: KVLayout, **options) -> KVReceiver:
     """Create (not start) a receiver writing into ``kv_cache``. Extra keyword options go to the backend
-    (ucx: ``cancel_grace_s``)."""
+    (all: ``verify_checksum`` -- ask the sender for a checksum of every transfer and verify it; ucx:
+    ``cancel_grace_s``)."""
     return _backend(kind, 2)(kv_cache, layout, **options)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+import xxhash
 
 from splitserve.errors import InvalidRequest
 from splitserve.transfer.base import OnDone
@@ -65,6 +66,22 @@ def byte_view(kv_cache: torch.Tensor) -> torch.Tensor:
 def layout_digest(layout: KVLayout) -> int:
     """64-bit digest of everything that must match between sender and receiver."""
     return int.from_bytes(hashlib.blake2b(layout.describe().encode(), digest_size=8).digest(), "little")
+
+
+# --------------------------------------------------------------------------------------------------------
+# integrity
+
+
+def segments_checksum(pool_bytes, runs: Sequence[tuple[int, int]], block_nbytes: int) -> int:
+    """xxh3-64 over the bytes of blocks ``[start, start + count)`` of each run, in order.
+
+    ``pool_bytes`` is the KV pool as a flat uint8 buffer (numpy array or anything with the buffer
+    protocol). Both sides compute it over the same logical bytes: the sender over its source runs, the
+    receiver over its destination runs. xxh3 hashes at memory speed (> 10 GB/s), far above the wire."""
+    h = xxhash.xxh3_64()
+    for start, count in runs:
+        h.update(pool_bytes[start * block_nbytes : (start + count) * block_nbytes])
+    return h.intdigest()
 
 
 # --------------------------------------------------------------------------------------------------------

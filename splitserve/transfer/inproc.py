@@ -13,7 +13,7 @@ import threading
 
 import torch
 
-from splitserve.errors import InvalidRequest, KVLayoutMismatch, KVTransferError, TransferNotFound
+from splitserve.errors import InvalidRequest, KVChecksumMismatch, KVLayoutMismatch, KVTransferError, TransferNotFound
 from splitserve.transfer.base import KVReceiver, KVSender, OnDone, TransferRefused, TransferStats
 from splitserve.transfer.common import (
     Status,
@@ -25,6 +25,7 @@ from splitserve.transfer.common import (
     format_endpoint,
     layout_digest,
     parse_endpoint,
+    segments_checksum,
 )
 from splitserve.transfer.layout import KVLayout
 from splitserve.telemetry.transfer import start_send
@@ -37,8 +38,11 @@ _ports = itertools.count(40000)
 
 
 class InprocKVSender(KVSender):
-    def __init__(self, kv_cache: torch.Tensor, layout: KVLayout, *, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self, kv_cache: torch.Tensor, layout: KVLayout, *, host: str = "127.0.0.1", port: int = 0, corrupt_sends: bool = False
+    ) -> None:
         self._num_blocks = check_cache(kv_cache, layout)
+        self._corrupt_sends = bool(corrupt_sends)
         self._bytes = byte_view(kv_cache)
         self._layout = layout
         self._block_nbytes = layout.block_nbytes
@@ -95,8 +99,9 @@ class InprocKVSender(KVSender):
 
 
 class InprocKVReceiver(KVReceiver):
-    def __init__(self, kv_cache: torch.Tensor, layout: KVLayout) -> None:
+    def __init__(self, kv_cache: torch.Tensor, layout: KVLayout, *, verify_checksum: bool = False) -> None:
         self._num_blocks = check_cache(kv_cache, layout)
+        self._verify = bool(verify_checksum)
         self._bytes = byte_view(kv_cache)
         self._block_nbytes = layout.block_nbytes
         self._digest = layout_digest(layout)
@@ -153,13 +158,20 @@ class InprocKVReceiver(KVReceiver):
         if status is not Status.OK:
             raise TransferRefused(f"KV sender {endpoint} refused transfer {transfer_id!r}: {detail}")
         bn = self._block_nbytes
+        src_bytes = sender._bytes  # noqa: SLF001
+        expected = segments_checksum(src_bytes.numpy(), [(s, n) for s, _d, n in segments], bn) if self._verify else None
+        flipped = segments[0][0] * bn if sender._corrupt_sends else None  # noqa: SLF001 - fault injection
         ok = False
         obs = start_send("inproc", transfer_id, sum(n for _s, _d, n in segments))  # child of the caller's span
         try:
+            if flipped is not None:
+                src_bytes[flipped] ^= 0xFF
             for s, d, n in segments:
-                self._bytes[d * bn : (d + n) * bn].copy_(sender._bytes[s * bn : (s + n) * bn])  # noqa: SLF001
+                self._bytes[d * bn : (d + n) * bn].copy_(src_bytes[s * bn : (s + n) * bn])
             ok = True
         finally:
+            if flipped is not None:
+                src_bytes[flipped] ^= 0xFF
             nbytes = sum(n for _s, _d, n in segments) * bn
             if ok:
                 sender.stats.bytes_sent += nbytes
@@ -168,4 +180,9 @@ class InprocKVReceiver(KVReceiver):
                 sender.stats.transfers_failed += 1
             obs.finish(ok, nbytes, None if ok else "copy failed")
             call_on_done(reg, ok)
+        if expected is not None:
+            got = segments_checksum(self._bytes.numpy(), [(d, n) for _s, d, n in segments], bn)
+            if got != expected:
+                self.stats.checksum_failures += 1
+                raise KVChecksumMismatch(f"KV transfer {transfer_id!r} from {endpoint} is corrupted")
         return nbytes

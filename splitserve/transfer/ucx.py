@@ -16,6 +16,10 @@ Protocol (one pull = one ``fetch``)
    complete without touching the destination blocks. When all sends completed it calls
    ``on_done(id, True)``; on failure it first aborts the endpoint (which cancels the posted sends, so UCX
    no longer reads the blocks) and then calls ``on_done(id, False)``.
+5. Integrity (optional, receiver's ``verify_checksum``): the FETCH sets ``FLAG_CHECKSUM``; the sender
+   computes xxh3-64 over the requested blocks (one pass over memory, before posting the sends) and puts it
+   in the STATUS; once the data has landed the receiver hashes its destination blocks and compares
+   (:class:`KVChecksumMismatch` on a difference). The data path itself is unchanged: still zero-copy.
 
 Copies: **zero staging copies** in splitserve on either side -- UCX reads straight from the sender's KV
 pool and writes straight into the receiver's KV pool, through numpy views of the two preallocated
@@ -63,7 +67,7 @@ import socket
 import numpy as np
 import torch
 
-from splitserve.errors import InvalidRequest, KVLayoutMismatch, KVTransferError, TransferNotFound
+from splitserve.errors import InvalidRequest, KVChecksumMismatch, KVLayoutMismatch, KVTransferError, TransferNotFound
 from splitserve.transfer import ucx_runtime, wire
 from splitserve.transfer.base import KVReceiver, KVSender, OnDone, TransferRefused, TransferStats
 from splitserve.transfer.common import (
@@ -78,6 +82,7 @@ from splitserve.transfer.common import (
     format_endpoint,
     layout_digest,
     parse_endpoint,
+    segments_checksum,
 )
 from splitserve.transfer.layout import KVLayout
 from splitserve.telemetry.propagation import current_trace_context
@@ -217,8 +222,10 @@ class UcxKVSender(KVSender):
         host: str = "127.0.0.1",
         port: int = 0,
         send_timeout_s: float = 30.0,
+        corrupt_sends: bool = False,
     ) -> None:
         self._num_blocks = check_cache(kv_cache, layout)
+        self._corrupt_sends = bool(corrupt_sends)  # fault injection for tests (splitserve.transfer.faults)
         self._kv = kv_cache  # keeps the memory behind self._bytes alive
         self._bytes = byte_view(kv_cache).numpy()
         self._block_nbytes = layout.block_nbytes
@@ -347,11 +354,15 @@ class UcxKVSender(KVSender):
         # Post the STATUS and every segment now (no loop hop before the bytes start moving).
         bn = self._block_nbytes
         nbytes = 0
+        checksum = None
+        if req.flags & wire.FLAG_CHECKSUM and status is Status.OK:
+            checksum = segments_checksum(self._bytes, req.runs, bn)
+        corrupted = self._corrupt(req.runs) if status is Status.OK and self._corrupt_sends else None
         posted: _Posted | None = None
         error: BaseException | None = None
         try:
             posted = _Posted(ep)
-            posted.send(wire.encode_status(status, detail), req.tag_base)
+            posted.send(wire.encode_status(status, detail, checksum), req.tag_base)
             for i, (start, count) in enumerate(req.runs):
                 if status is Status.OK:
                     posted.send(self._bytes[start * bn : (start + count) * bn], req.tag_base + 1 + i)
@@ -361,10 +372,18 @@ class UcxKVSender(KVSender):
         except Exception as exc:  # endpoint closed or failed while posting
             error = exc
         refusal = None if status is Status.OK else f"{status.name}: {detail}"
-        task = asyncio.get_running_loop().create_task(self._finish(ep, req.transfer_id, posted, error, reg, nbytes, obs, refusal))
+        task = asyncio.get_running_loop().create_task(
+            self._finish(ep, req.transfer_id, posted, error, reg, nbytes, obs, refusal, corrupted)
+        )
         self._serve_tasks[task] = ep
         task.add_done_callback(self._serve_tasks.pop)
         return error is None
+
+    def _corrupt(self, runs) -> int:
+        """Fault injection: flip the first byte of the first requested block; returns its offset."""
+        offset = runs[0][0] * self._block_nbytes
+        self._bytes[offset] ^= 0xFF
+        return offset
 
     async def _finish(
         self,
@@ -376,6 +395,7 @@ class UcxKVSender(KVSender):
         nbytes: int,
         obs,
         refusal: str | None,
+        corrupted: int | None = None,
     ) -> None:
         """Wait for the posted sends, then report the transfer exactly once (and end its span)."""
         ok = False
@@ -400,6 +420,8 @@ class UcxKVSender(KVSender):
                 if any(not f.done() for f in futures):
                     await asyncio.wait(futures, timeout=1.0)
             _consume(futures)
+            if corrupted is not None:  # UCX no longer reads the blocks: restore the flipped byte
+                self._bytes[corrupted] ^= 0xFF
             served = ok and reg is not None
             obs.finish(served, nbytes, None if served else refusal or "send failed")
             if reg is not None:
@@ -418,8 +440,11 @@ class UcxKVSender(KVSender):
 class UcxKVReceiver(KVReceiver):
     """Pulls KV blocks into ``kv_cache``; one cached endpoint per peer endpoint string."""
 
-    def __init__(self, kv_cache: torch.Tensor, layout: KVLayout, *, cancel_grace_s: float = 1.0) -> None:
+    def __init__(
+        self, kv_cache: torch.Tensor, layout: KVLayout, *, cancel_grace_s: float = 1.0, verify_checksum: bool = False
+    ) -> None:
         self._num_blocks = check_cache(kv_cache, layout)
+        self._verify = bool(verify_checksum)
         self._kv = kv_cache
         self._bytes = byte_view(kv_cache).numpy()
         self._block_nbytes = layout.block_nbytes
@@ -548,8 +573,11 @@ class UcxKVReceiver(KVReceiver):
         bn = self._block_nbytes
         tag = _next_tag_base()
         status_buf = np.zeros(wire.STATUS_BUF_NBYTES, dtype=np.uint8)
+        flags = wire.FLAG_CHECKSUM if self._verify else 0
         request = wire.encode_fetch(
-            wire.FetchRequest(tag, bn, self._digest, transfer_id, [(s, n) for s, _d, n in segments], current_trace_context())
+            wire.FetchRequest(
+                tag, bn, self._digest, transfer_id, [(s, n) for s, _d, n in segments], current_trace_context(), flags
+            )
         )
         try:
             posted = _Posted(ep)
@@ -569,7 +597,7 @@ class UcxKVReceiver(KVReceiver):
             error = posted.first_error()
             if error is not None:  # the connection broke (what is still pending is settled below)
                 raise KVTransferError(f"KV fetch of {transfer_id!r} from {key} failed: {error!r}")
-            status, detail = wire.decode_status(status_buf)  # all done: _wait raises at the deadline
+            status, detail, checksum = wire.decode_status_checksum(status_buf)  # all done: _wait raises at the deadline
             if status is Status.NOT_FOUND:
                 raise TransferNotFound(detail or f"transfer {transfer_id!r} not found at {key}")
             if status is Status.INVALID:
@@ -578,6 +606,8 @@ class UcxKVReceiver(KVReceiver):
                 raise KVLayoutMismatch(f"KV layout mismatch with sender {key}: remote [{detail}]")
             if status is not Status.OK:
                 raise KVTransferError(f"KV sender {key} refused transfer {transfer_id!r}: {status.name} {detail}")
+            if self._verify:
+                self._check(key, transfer_id, segments, checksum)
             return sum(n for _s, _d, n in segments) * bn
         except asyncio.CancelledError:
             remaining = deadline - loop.time()
@@ -597,6 +627,16 @@ class UcxKVReceiver(KVReceiver):
             raise KVTransferError(f"KV fetch of {transfer_id!r} from {key} failed: {exc!r}") from exc
         finally:
             _consume(posted.futures)
+
+    def _check(self, key: str, transfer_id: str, segments, expected: int | None) -> None:
+        if expected is None:
+            raise KVTransferError(f"KV sender {key} sent no checksum for transfer {transfer_id!r}")
+        got = segments_checksum(self._bytes, [(d, n) for _s, d, n in segments], self._block_nbytes)
+        if got != expected:
+            self.stats.checksum_failures += 1
+            raise KVChecksumMismatch(
+                f"KV transfer {transfer_id!r} from {key} is corrupted: checksum {got:016x}, sender's {expected:016x}"
+            )
 
     @staticmethod
     async def _wait(futures, deadline: float) -> None:

@@ -10,9 +10,15 @@ The trace context is the receiver's W3C ``traceparent`` (see :mod:`splitserve.te
 so the sender's transfer span joins the request's trace. It is sent only when there is one, so with
 tracing off the message is byte-for-byte the original format.
 
+``flags`` bit 1 (:data:`FLAG_CHECKSUM`): the receiver asks for a checksum of the data it will receive.
+
 STATUS reply (sender -> receiver, one tag message on ``tag_base``)::
 
     magic "SKS1" | status u32 | detail_len u32 | detail (utf-8)
+    magic "SKS2" | status u32 | detail_len u32 | checksum u64 | detail     (when FLAG_CHECKSUM was set)
+
+``checksum``: xxh3-64 over the bytes of every segment, in segment order, computed by the sender from
+its KV blocks before posting them (:func:`splitserve.transfer.common.segments_checksum`).
 
 Data: segment ``i`` travels as one tag message on ``tag_base + 1 + i``.
 """
@@ -28,17 +34,20 @@ from splitserve.transfer.common import Status
 
 FETCH_MAGIC = b"SKV1"
 STATUS_MAGIC = b"SKS1"
+STATUS_CHECKSUM_MAGIC = b"SKS2"
 KIND_FETCH = 1
 FLAG_TRACE_CONTEXT = 0x1
+FLAG_CHECKSUM = 0x2
 MAX_TRACE_CONTEXT_BYTES = 512
 
 _FETCH_HDR = struct.Struct("<4sHHQQQIHH")
 _STATUS_HDR = struct.Struct("<4sII")
+_CHECKSUM = struct.Struct("<Q")
 _CTX_LEN = struct.Struct("<H")
 
 #: receive buffer for a STATUS message; details are truncated to fit
 STATUS_BUF_NBYTES = 1024
-MAX_DETAIL = STATUS_BUF_NBYTES - _STATUS_HDR.size
+MAX_DETAIL = STATUS_BUF_NBYTES - _STATUS_HDR.size - _CHECKSUM.size
 #: segments per transfer are numbered in the low bits of the tag
 MAX_SEGMENTS = (1 << 24) - 2
 MAX_TID_BYTES = 1024
@@ -56,6 +65,7 @@ class FetchRequest:
     transfer_id: str
     runs: list[tuple[int, int]]  # (src_start, count) per segment, in tag order
     trace_context: str = ""  # W3C traceparent of the receiver's span, "" for none
+    flags: int = 0  # FLAG_CHECKSUM (FLAG_TRACE_CONTEXT is set by encode_fetch from trace_context)
 
 
 def encode_fetch(req: FetchRequest) -> bytearray:
@@ -76,7 +86,7 @@ def encode_fetch(req: FetchRequest) -> bytearray:
         flat.byteswap()
     out = bytearray(
         _FETCH_HDR.pack(
-            FETCH_MAGIC, KIND_FETCH, flags, req.tag_base, req.block_nbytes, req.layout_digest, len(req.runs), len(tid), 0
+            FETCH_MAGIC, KIND_FETCH, flags | (req.flags & FLAG_CHECKSUM), req.tag_base, req.block_nbytes, req.layout_digest, len(req.runs), len(tid), 0
         )
     )
     out += tid
@@ -120,23 +130,36 @@ def decode_fetch(buf) -> FetchRequest:
     if sys.byteorder != "little":  # pragma: no cover
         flat.byteswap()
     runs = [(flat[2 * i], flat[2 * i + 1]) for i in range(nseg)]
-    return FetchRequest(tag_base, block_nbytes, digest, tid, runs, ctx)
+    return FetchRequest(tag_base, block_nbytes, digest, tid, runs, ctx, flags & FLAG_CHECKSUM)
 
 
-def encode_status(status: Status, detail: str = "") -> bytearray:
+def encode_status(status: Status, detail: str = "", checksum: int | None = None) -> bytearray:
     d = detail.encode()[:MAX_DETAIL]
-    return bytearray(_STATUS_HDR.pack(STATUS_MAGIC, int(status), len(d)) + d)
+    if checksum is None:
+        return bytearray(_STATUS_HDR.pack(STATUS_MAGIC, int(status), len(d)) + d)
+    return bytearray(_STATUS_HDR.pack(STATUS_CHECKSUM_MAGIC, int(status), len(d)) + _CHECKSUM.pack(checksum) + d)
 
 
-def decode_status(buf) -> tuple[Status, str]:
+def decode_status_checksum(buf) -> tuple[Status, str, int | None]:
+    """(status, detail, checksum or None when the sender sent none)."""
     mv = memoryview(buf).cast("B")
     magic, code, dlen = _STATUS_HDR.unpack_from(mv, 0)
-    if magic != STATUS_MAGIC:
+    if magic not in (STATUS_MAGIC, STATUS_CHECKSUM_MAGIC):
         raise WireError("not a status message")
     try:
         status = Status(code)
     except ValueError:
         raise WireError(f"unknown status code {code}") from None
+    off = _STATUS_HDR.size
+    checksum = None
+    if magic == STATUS_CHECKSUM_MAGIC:
+        (checksum,) = _CHECKSUM.unpack_from(mv, off)
+        off += _CHECKSUM.size
     dlen = min(dlen, MAX_DETAIL)
-    detail = bytes(mv[_STATUS_HDR.size : _STATUS_HDR.size + dlen]).decode(errors="replace")
+    detail = bytes(mv[off : off + dlen]).decode(errors="replace")
+    return status, detail, checksum
+
+
+def decode_status(buf) -> tuple[Status, str]:
+    status, detail, _checksum = decode_status_checksum(buf)
     return status, detail

@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from pd.v1 import common_pb2 as pd_dot_v1_dot_common__pb2
 from pd.v1 import router_pb2 as pd_dot_v1_dot_router__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -40,6 +41,11 @@ class RouterServiceStub:
                 request_serializer=pd_dot_v1_dot_router__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=pd_dot_v1_dot_router__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GetStats = channel.unary_unary(
+                '/pd.v1.RouterService/GetStats',
+                request_serializer=pd_dot_v1_dot_common__pb2.GetStatsRequest.SerializeToString,
+                response_deserializer=pd_dot_v1_dot_common__pb2.GetStatsResponse.FromString,
+                _registered_method=True)
 
 
 class RouterServiceServicer:
@@ -52,6 +58,13 @@ class RouterServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetStats(self, request, context):
+        """Router counters: open streams, retries and fallbacks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RouterServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -59,6 +72,11 @@ def add_RouterServiceServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=pd_dot_v1_dot_router__pb2.GenerateRequest.FromString,
                     response_serializer=pd_dot_v1_dot_router__pb2.GenerateResponse.SerializeToString,
+            ),
+            'GetStats': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetStats,
+                    request_deserializer=pd_dot_v1_dot_common__pb2.GetStatsRequest.FromString,
+                    response_serializer=pd_dot_v1_dot_common__pb2.GetStatsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -89,6 +107,33 @@ class RouterService:
             '/pd.v1.RouterService/Generate',
             pd_dot_v1_dot_router__pb2.GenerateRequest.SerializeToString,
             pd_dot_v1_dot_router__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetStats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pd.v1.RouterService/GetStats',
+            pd_dot_v1_dot_common__pb2.GetStatsRequest.SerializeToString,
+            pd_dot_v1_dot_common__pb2.GetStatsResponse.FromString,
             options,
             channel_credentials,
             insecure,

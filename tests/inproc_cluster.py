@@ -1,0 +1,133 @@
+"""A whole P/D deployment in one process for fast tests: real engines, real gRPC servers (optionally TLS),
+the inproc KV transport, the router's DisaggregatedBackend, RouterService and HTTP app."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import grpc
+import httpx
+from pd.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc, router_pb2_grpc
+
+from splitserve.engine.async_engine import AsyncEngine, EngineConfig
+from splitserve.frontend.http_app import build_app
+from splitserve.launcher import free_port
+from splitserve.rpc.server import bind, channel, create_server
+from splitserve.rpc.tls import TlsConfig
+from splitserve.served_model import ServedModel
+from splitserve.services.decode.server import DecodeServicer
+from splitserve.services.prefill.server import PrefillServicer
+from splitserve.services.router.backend import DisaggregatedBackend, RetryPolicy
+from splitserve.services.router.grpc_api import RouterServicer
+from splitserve.transfer import create_receiver, create_sender
+
+
+@dataclass
+class Worker:
+    servicer: object
+    engine: AsyncEngine
+    server: grpc.aio.Server
+    address: str
+    closers: list = field(default_factory=list)
+
+
+class InprocCluster:
+    def __init__(
+        self, lm, *, num_prefill: int = 1, num_decode: int = 1, dead_prefill: int = 0, dead_decode: int = 0,
+        tls: TlsConfig | None = None, api_key: str | None = None, lease_s: float = 30.0, transfer_timeout_s: float = 2.0,
+        transfer_failure: str = "fallback", verify_checksum: bool = False, corrupt: bool = False,
+        advertise: str | None = None, request_timeout_s: float | None = None, prefill_timeout_s: float = 60.0,
+        retry: RetryPolicy = RetryPolicy(), kv_cache_mb: int = 4,
+    ) -> None:
+        self.lm = lm
+        self.tls = tls
+        self.api_key = api_key
+        self._opts = dict(num_prefill=num_prefill, num_decode=num_decode, dead_prefill=dead_prefill, dead_decode=dead_decode,
+                          lease_s=lease_s, transfer_timeout_s=transfer_timeout_s, transfer_failure=transfer_failure,
+                          verify_checksum=verify_checksum, corrupt=corrupt, advertise=advertise, kv_cache_mb=kv_cache_mb)
+        self.request_timeout_s = request_timeout_s
+        self.prefill_timeout_s = prefill_timeout_s
+        self.retry = retry
+        self.prefill: list[Worker] = []
+        self.decode: list[Worker] = []
+
+    async def _server(self, add, servicer) -> tuple[grpc.aio.Server, str]:
+        server, _ = create_server()
+        add(servicer, server)
+        port = bind(server, "127.0.0.1", 0, self.tls)
+        await server.start()
+        return server, f"127.0.0.1:{port}"
+
+    async def start(self) -> "InprocCluster":
+        o = self._opts
+        for _ in range(o["num_prefill"]):
+            engine = AsyncEngine(self.lm, EngineConfig(kv_cache_mb=o["kv_cache_mb"]))
+            await engine.start()
+            sender = create_sender("inproc", engine.kv_cache, engine.layout, corrupt_sends=o["corrupt"])
+            await sender.start()
+            servicer = PrefillServicer(engine, sender, "inproc", o["lease_s"], advertise=o["advertise"])
+            server, address = await self._server(prefill_pb2_grpc.add_PrefillServiceServicer_to_server, servicer)
+            self.prefill.append(Worker(servicer, engine, server, address, [sender.close, engine.stop]))
+        for _ in range(o["num_decode"]):
+            engine = AsyncEngine(self.lm, EngineConfig(kv_cache_mb=o["kv_cache_mb"]))
+            await engine.start()
+            receiver = create_receiver("inproc", engine.kv_cache, engine.layout, verify_checksum=o["verify_checksum"])
+            await receiver.start()
+            servicer = DecodeServicer(engine, receiver, "inproc", o["transfer_timeout_s"], o["transfer_failure"])
+            server, address = await self._server(decode_pb2_grpc.add_DecodeServiceServicer_to_server, servicer)
+            self.decode.append(Worker(servicer, engine, server, address, [receiver.close, engine.stop]))
+        dead_p = [f"127.0.0.1:{free_port()}" for _ in range(o["dead_prefill"])]
+        dead_d = [f"127.0.0.1:{free_port()}" for _ in range(o["dead_decode"])]
+        self.backend = DisaggregatedBackend(
+            dead_p + [w.address for w in self.prefill], dead_d + [w.address for w in self.decode],
+            self.prefill_timeout_s, tls=self.tls, retry=self.retry,
+        )
+        self.router_servicer = RouterServicer(self.backend, self.lm.tokenizer, self.lm.max_model_len)
+        self.router_server, _ = create_server(api_key=self.api_key, protected_services=["pd.v1.RouterService"])
+        router_pb2_grpc.add_RouterServiceServicer_to_server(self.router_servicer, self.router_server)
+        self.router_address = f"127.0.0.1:{bind(self.router_server, '127.0.0.1', 0, self.tls)}"
+        await self.router_server.start()
+        served = ServedModel("tiny", self.lm.tokenizer, self.lm.max_model_len)
+        self.app = build_app(served, self.backend, api_key=self.api_key, request_timeout_s=self.request_timeout_s)
+        return self
+
+    def http(self, **kw) -> httpx.AsyncClient:
+        return httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app), base_url="http://router", timeout=30, **kw)
+
+    def router_stub(self, tls: TlsConfig | None = None) -> tuple[grpc.aio.Channel, router_pb2_grpc.RouterServiceStub]:
+        ch = channel(self.router_address, self.tls if tls is None else tls)
+        return ch, router_pb2_grpc.RouterServiceStub(ch)
+
+    async def worker_stats(self) -> list[dict]:
+        out = []
+        for w in self.prefill + self.decode:
+            out.append(dict((await w.servicer.GetStats(common_pb2.GetStatsRequest(), None)).counters))
+        return out
+
+    async def wait_idle(self, timeout_s: float = 2.0) -> float:
+        """Seconds until every worker is back to baseline (all KV blocks free, nothing running, no stream,
+        no held KV) and the router has no open stream; AssertionError with the counters otherwise."""
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        while True:
+            stats = await self.worker_stats()
+            router = self.backend.stats()
+            idle = all(
+                s["kv_blocks_free"] == s["kv_blocks_total"] and s["requests_running"] == 0 and s["requests_waiting"] == 0
+                and s.get("streams_open", 0) == 0 and s.get("prefills_in_flight", 0) == 0 and s.get("kv_transfers_held", 0) == 0
+                for s in stats
+            ) and router["streams_open"] == 0 and router["background_tasks"] == 0 and self.router_servicer.streams_open == 0
+            if idle:
+                return loop.time() - t0
+            if loop.time() - t0 > timeout_s:
+                raise AssertionError(f"not idle after {timeout_s} s: workers {stats}, router {router}")
+            await asyncio.sleep(0.02)
+
+    async def stop(self) -> None:
+        await self.router_server.stop(0)
+        await self.backend.close()
+        for w in self.prefill + self.decode:
+            await w.server.stop(0)
+            for close in w.closers:
+                await close()

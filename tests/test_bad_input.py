@@ -1,0 +1,262 @@
+"""Odd and bad input through the real cluster (router + prefill + decode processes), over HTTP and gRPC:
+every case gets a correct answer or a clear 4xx / INVALID_ARGUMENT, never a 5xx, and the next normal
+request succeeds. The workers' KV pools are back to baseline afterwards."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import grpc
+import httpx
+import pytest
+from pd.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc, router_pb2, router_pb2_grpc
+
+from splitserve.model import load_model
+from splitserve.paths import default_model_path
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+MODEL = "TinyStories-656K"
+BLOCK = 16
+GOOD = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 4, "temperature": 0}
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 4, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_model(default_model_path(), weights=False).tokenizer
+
+
+@pytest.fixture(scope="module")
+def max_len():
+    return load_model(default_model_path(), weights=False).max_model_len
+
+
+async def assert_good_http(http: httpx.AsyncClient) -> None:
+    r = await http.post("/v1/completions", json=GOOD)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
+
+
+def assert_4xx(r: httpx.Response, status: int = 400, fragment: str | None = None) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["message"]
+    if fragment:
+        assert fragment in err["message"], err["message"]
+    return err
+
+
+def http_cases(max_len: int):
+    long_text = "Once upon a time " * max_len
+    return [
+        # (id, path, body or raw bytes, status, message fragment)
+        ("empty-string", "/v1/completions", {**GOOD, "prompt": ""}, 400, "must not be empty"),
+        ("empty-list", "/v1/completions", {**GOOD, "prompt": []}, 400, "must not be empty"),
+        ("ids-outside-vocab", "/v1/completions", {**GOOD, "prompt": [1, 2048]}, 400, "out of range"),
+        ("negative-id", "/v1/completions", {**GOOD, "prompt": [1, -5]}, 400, "out of range"),
+        ("text-longer-than-context", "/v1/completions", {**GOOD, "prompt": long_text}, 400, "maximum context length"),
+        ("ids-longer-than-context", "/v1/completions", {**GOOD, "prompt": [1] * (max_len + 1)}, 400, "maximum context length"),
+        ("chat-longer-than-context", "/v1/chat/completions",
+         {**CHAT, "messages": [{"role": "user", "content": long_text}]}, 400, "maximum context length"),
+        ("max-tokens-0", "/v1/completions", {**GOOD, "max_tokens": 0}, 400, "greater than or equal to 1"),
+        ("max-tokens-negative", "/v1/completions", {**GOOD, "max_tokens": -3}, 400, "greater than or equal to 1"),
+        ("max-tokens-past-context", "/v1/completions", {**GOOD, "max_tokens": max_len}, 400, "maximum context length"),
+        ("n-2", "/v1/completions", {**GOOD, "n": 2}, 400, "only n=1"),
+        ("chat-n-3", "/v1/chat/completions", {**CHAT, "n": 3}, 400, "only n=1"),
+        ("temperature-negative", "/v1/completions", {**GOOD, "temperature": -0.5}, 400, "greater than or equal to 0"),
+        ("temperature-nan", "/v1/completions", b'{"prompt": "Once", "temperature": NaN}', 400, "temperature"),
+        ("top-p-0", "/v1/completions", {**GOOD, "top_p": 0}, 400, "greater than 0"),
+        ("top-p-above-1", "/v1/completions", {**GOOD, "top_p": 1.5}, 400, "less than or equal to 1"),
+        ("top-p-negative", "/v1/completions", {**GOOD, "top_p": -1}, 400, "greater than 0"),
+        ("unknown-model", "/v1/completions", {**GOOD, "model": "gpt-17"}, 404, "does not exist"),
+        ("malformed-json", "/v1/completions", b'{"prompt": "Once", ', 400, "could not parse"),
+        ("not-an-object", "/v1/completions", b'["Once"]', 400, "JSON object"),
+        ("not-utf8", "/v1/completions", b'\xff\xfe\x00', 400, "could not parse"),
+        ("prompt-wrong-type", "/v1/completions", {**GOOD, "prompt": 7}, 400, "string or a list of token ids"),
+        ("max-tokens-wrong-type", "/v1/completions", {**GOOD, "max_tokens": "ten"}, 400, "max_tokens"),
+        ("temperature-wrong-type", "/v1/completions", {**GOOD, "temperature": "hot"}, 400, "temperature"),
+        ("stream-wrong-type", "/v1/completions", {**GOOD, "stream": "sometimes"}, 400, "stream"),
+        ("messages-wrong-type", "/v1/chat/completions", {**CHAT, "messages": "hi"}, 400, "messages"),
+        ("stop-wrong-type", "/v1/completions", {**GOOD, "stop": 5}, 400, "stop"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(27))
+async def test_bad_http_request_is_a_clear_4xx_then_a_good_one_succeeds(cluster, max_len, case):
+    cases = http_cases(max_len)
+    name, path, body, status, fragment = cases[case]
+    base_url, _, _ = cluster
+    async with httpx.AsyncClient(base_url=base_url, timeout=60) as http:
+        if isinstance(body, bytes):
+            r = await http.post(path, content=body, headers={"content-type": "application/json"})
+        else:
+            r = await http.post(path, json=body)
+        if status == 404:
+            assert r.status_code == 404 and fragment in r.json()["error"]["message"], name
+        else:
+            assert_4xx(r, status, fragment)
+        await assert_good_http(http)
+
+
+def test_http_cases_are_all_run(max_len):
+    assert len(http_cases(max_len)) == 27
+
+
+@pytest.mark.parametrize(("name", "prompt_len"), [("shorter-than-a-block", BLOCK // 3), ("exactly-one-block", BLOCK)])
+async def test_prompts_of_one_block_and_less_equal_colocated(cluster, colocated, tok, name, prompt_len):
+    base_url, _, _ = cluster
+    ids = tok.encode("Once upon a time, there was a little girl named Lily who loved to play outside in the sun with her big red ball")[:prompt_len]
+    assert len(ids) == prompt_len
+    body = {**GOOD, "prompt": ids, "max_tokens": 12, "ignore_eos": True}
+    async with httpx.AsyncClient(timeout=60) as http:
+        got = (await http.post(base_url + "/v1/completions", json=body)).json()
+        ref = (await http.post(colocated.base_url + "/v1/completions", json=body)).json()
+    assert got["choices"][0]["text"] == ref["choices"][0]["text"] and got["usage"]["completion_tokens"] == 12
+
+
+async def test_valid_edge_values_are_served(cluster, max_len):
+    base_url, _, _ = cluster
+    async with httpx.AsyncClient(base_url=base_url, timeout=60) as http:
+        one = (await http.post("/v1/completions", json={**GOOD, "max_tokens": 1})).json()
+        assert one["usage"]["completion_tokens"] == 1 and one["choices"][0]["finish_reason"] == "length"
+        ids = (await http.post("/v1/completions", json={**GOOD, "prompt": [1, 2, 3, 2047]})).json()
+        assert ids["usage"]["prompt_tokens"] == 4
+        fill = (await http.post("/v1/completions", json={**GOOD, "prompt": [1] * (max_len - 3), "max_tokens": 3,
+                                                          "ignore_eos": True})).json()
+        assert fill["usage"]["completion_tokens"] == 3  # exactly the whole context
+        empty_chat = await http.post("/v1/chat/completions", json={**CHAT, "messages": [{"role": "user", "content": ""}]})
+        assert empty_chat.status_code == 200 and empty_chat.json()["usage"]["prompt_tokens"] > 0
+        n1 = await http.post("/v1/completions", json={**GOOD, "n": 1})
+        assert n1.status_code == 200 and len(n1.json()["choices"]) == 1
+        await assert_good_http(http)
+
+
+# ------------------------------------------------------------------------------------------- gRPC
+
+
+def _raw_generate(prompt: str, sampling: bytes) -> bytes:
+    """A GenerateRequest serialized by hand (to send what the Python protobuf API cannot build)."""
+    p = prompt.encode()
+    return b"\x0a" + bytes([len(p)]) + p + b"\x1a" + bytes([len(sampling)]) + sampling
+
+
+def grpc_cases(max_len: int):
+    S = common_pb2.SamplingParams
+    ids = router_pb2.TokenIds
+    return [
+        ("empty-string", router_pb2.GenerateRequest(prompt="", sampling=S(max_tokens=4))),
+        ("no-prompt", router_pb2.GenerateRequest(sampling=S(max_tokens=4))),
+        ("empty-list", router_pb2.GenerateRequest(prompt_token_ids=ids(ids=[]), sampling=S(max_tokens=4))),
+        ("ids-outside-vocab", router_pb2.GenerateRequest(prompt_token_ids=ids(ids=[1, 2048]), sampling=S(max_tokens=4))),
+        ("longer-than-context", router_pb2.GenerateRequest(prompt_token_ids=ids(ids=[1] * (max_len + 1)), sampling=S(max_tokens=4))),
+        ("max-tokens-0", router_pb2.GenerateRequest(prompt="Once", sampling=S(max_tokens=0))),
+        # -1 as a 10-byte varint in the uint32 max_tokens field
+        ("max-tokens-negative", _raw_generate("Once", b"\x08" + b"\xff" * 9 + b"\x01")),
+        ("max-tokens-past-context", router_pb2.GenerateRequest(prompt="Once", sampling=S(max_tokens=max_len))),
+        ("temperature-negative", router_pb2.GenerateRequest(prompt="Once", sampling=S(max_tokens=4, temperature=-0.5))),
+        ("temperature-nan", router_pb2.GenerateRequest(prompt="Once", sampling=S(max_tokens=4, temperature=float("nan")))),
+        ("top-p-0", router_pb2.GenerateRequest(prompt="Once", sampling=S(max_tokens=4, top_p=0.0))),
+        ("top-p-above-1", router_pb2.GenerateRequest(prompt="Once", sampling=S(max_tokens=4, top_p=1.5))),
+        ("top-k-below-minus-1", router_pb2.GenerateRequest(prompt="Once", sampling=S(max_tokens=4, top_k=-2))),
+        ("stop-token-outside-vocab", router_pb2.GenerateRequest(prompt="Once", sampling=S(max_tokens=4, stop_token_ids=[99999]))),
+        ("empty-stop-string", router_pb2.GenerateRequest(prompt="Once", sampling=S(max_tokens=4), stop=[""])),
+        ("five-stop-strings", router_pb2.GenerateRequest(prompt="Once", sampling=S(max_tokens=4), stop=list("abcde"))),
+        ("malformed-bytes", b"\x0a\xff\xff\xff\xff\x0f"),
+        ("wrong-wire-type", b"\x0d\x01\x02\x03\x04"),  # field 1 (prompt, a string) sent as fixed32
+    ]
+
+
+async def _good_grpc(stub) -> None:
+    ids = []
+    async for r in stub.Generate(router_pb2.GenerateRequest(prompt="Once upon a time", sampling=common_pb2.SamplingParams(max_tokens=3))):
+        ids += r.token_ids
+    assert len(ids) == 3
+
+
+@pytest.mark.parametrize("case", range(18))
+async def test_bad_grpc_request_is_invalid_argument_then_a_good_one_succeeds(cluster, max_len, case):
+    cases = grpc_cases(max_len)
+    name, request = cases[case]
+    _, router_grpc, _ = cluster
+    async with grpc.aio.insecure_channel(router_grpc) as ch:
+        raw = request if isinstance(request, bytes) else request.SerializeToString()
+        call = ch.unary_stream("/pd.v1.RouterService/Generate")(raw)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for _ in call:
+                pass
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (name, err.value.details())
+        await _good_grpc(router_pb2_grpc.RouterServiceStub(ch))
+
+
+def test_grpc_cases_are_all_run(max_len):
+    assert len(grpc_cases(max_len)) == 18
+
+
+async def test_grpc_max_tokens_unset_means_the_default_and_one_is_served(cluster):
+    _, router_grpc, _ = cluster
+    async with grpc.aio.insecure_channel(router_grpc) as ch:
+        stub = router_pb2_grpc.RouterServiceStub(ch)
+        n = 0
+        async for r in stub.Generate(router_pb2.GenerateRequest(prompt="Once upon a time", sampling=common_pb2.SamplingParams(ignore_eos=True))):
+            n += len(r.token_ids)
+        assert n == 16
+        msgs = [r async for r in stub.Generate(router_pb2.GenerateRequest(prompt="Once upon a time", sampling=common_pb2.SamplingParams(max_tokens=1)))]
+        assert sum(len(m.token_ids) for m in msgs) == 1 and msgs[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+
+
+# ------------------------------------------------------------------------------------------- stop strings
+
+
+async def test_stop_string_straddling_token_boundaries(cluster):
+    """A stop string made of the end of one token and the start of the next: no partial stop text is ever
+    streamed, and streamed and non-streamed text are the same (HTTP and gRPC)."""
+    base_url, router_grpc, _ = cluster
+    prompt = "Once upon a time, there was a little girl named Lily."
+    async with grpc.aio.insecure_channel(router_grpc) as ch:
+        stub = router_pb2_grpc.RouterServiceStub(ch)
+        deltas = [r.text async for r in stub.Generate(router_pb2.GenerateRequest(
+            prompt=prompt, sampling=common_pb2.SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)))]
+        full = "".join(deltas)
+        pos = 0
+        stop = None
+        for a, b in zip(deltas, deltas[1:]):
+            pos += len(a)
+            if len(a) >= 2 and len(b) >= 2:
+                candidate = a[-2:] + b[:2]
+                if full.find(candidate) == pos - 2:  # first occurrence straddles this boundary
+                    stop = candidate
+                    break
+        assert stop is not None, deltas
+        expected = full[: full.find(stop)]
+        streamed = [r.text async for r in stub.Generate(router_pb2.GenerateRequest(
+            prompt=prompt, sampling=common_pb2.SamplingParams(max_tokens=40, temperature=0, ignore_eos=True), stop=[stop]))]
+    assert "".join(streamed) == expected
+    body = {**GOOD, "prompt": prompt, "max_tokens": 40, "ignore_eos": True, "stop": [stop]}
+    async with httpx.AsyncClient(base_url=base_url, timeout=60) as http:
+        plain = (await http.post("/v1/completions", json=body)).json()
+        sse = await http.post("/v1/completions", json={**body, "stream": True})
+    chunks = [json.loads(line[6:]) for line in sse.text.splitlines() if line.startswith("data: {")]
+    texts = [c["choices"][0]["text"] for c in chunks]
+    assert plain["choices"][0]["text"] == expected == "".join(texts)
+    assert plain["choices"][0]["finish_reason"] == "stop" and chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    running = ""
+    for t in texts:  # no prefix of the output ever ends with a partial stop string that is later retracted
+        running += t
+        assert expected.startswith(running)
+
+
+# ------------------------------------------------------------------------------------------- no leaks
+
+
+async def test_workers_back_to_baseline(cluster):
+    _, _, c = cluster
+    for child, stub_cls in zip(c.children[:2], (prefill_pb2_grpc.PrefillServiceStub, decode_pb2_grpc.DecodeServiceStub)):
+        async with grpc.aio.insecure_channel(child.health.removeprefix("grpc:")) as ch:
+            for _ in range(100):
+                s = dict((await stub_cls(ch).GetStats(common_pb2.GetStatsRequest(), timeout=10)).counters)
+                if s["kv_blocks_free"] == s["kv_blocks_total"] and s["requests_running"] == 0:
+                    break
+                await asyncio.sleep(0.05)
+            assert s["kv_blocks_free"] == s["kv_blocks_total"] and s["requests_running"] == s["requests_waiting"] == 0, s
+            assert s.get("kv_transfers_held", 0) == 0 and s.get("streams_open", 0) == 0
