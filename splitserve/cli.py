@@ -31,6 +31,7 @@ def _up(argv: list[str]) -> int:
     from splitserve.launcher import build_cluster, store_health
     from splitserve.logs import setup_logging
     from splitserve.paths import default_model_path
+    from splitserve.rpc.tls import add_tls_args, tls_config
 
     env = os.environ.get
     ap = argparse.ArgumentParser(prog="splitserve up", description="Start a local disaggregated cluster.")
@@ -57,8 +58,15 @@ def _up(argv: list[str]) -> int:
     ap.add_argument("--trace", action="store_true", help="every process exports OpenTelemetry traces over OTLP")
     ap.add_argument("--otlp-endpoint", help="OTLP endpoint for --trace (implies it); default $OTEL_EXPORTER_OTLP_ENDPOINT "
                     "or http://127.0.0.1:4317 (e.g. Jaeger all-in-one)")
+    add_tls_args(ap)  # one TLS configuration for every gRPC server and channel of the cluster (store included)
     a = ap.parse_args(argv)
     store_nodes = 0 if a.no_store else a.store_nodes
+    try:
+        tls = tls_config(a)
+    except ValueError as exc:
+        ap.error(str(exc))
+    if tls.enabled and not tls.cert_file:
+        ap.error("TLS: the cluster's gRPC servers need --tls-cert and --tls-key (PD_TLS_CERT, PD_TLS_KEY)")
     if a.kv_transfer_mode == "store" and not store_nodes:
         ap.error("--kv-transfer-mode store needs the KV store (drop --no-store, --store-nodes >= 1)")
     setup_logging("up")
@@ -67,11 +75,12 @@ def _up(argv: list[str]) -> int:
     if a.trace or a.otlp_endpoint:
         endpoint = a.otlp_endpoint or env("OTEL_EXPORTER_OTLP_ENDPOINT") or "http://127.0.0.1:4317"
         trace_env = {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint}
+    tls_env = _tls_env(tls)
     worker_args = ["--transport", a.transport, "--block-size", str(a.block_size), "--kv-cache-mb", str(a.kv_cache_mb),
                    "--kv-transfer-mode", a.kv_transfer_mode]
     cluster, http_port, grpc_port = build_cluster(
         model=a.model, num_prefill=a.prefill, num_decode=a.decode, host=a.host,
-        http_port=a.http_port, grpc_port=a.grpc_port, worker_args=worker_args, env=trace_env,
+        http_port=a.http_port, grpc_port=a.grpc_port, worker_args=worker_args, env={**trace_env, **tls_env},
         store_nodes=store_nodes, master_args=["--replicas", str(a.store_replicas)], node_args=["--segment-mb", str(a.store_mb)],
         router_args=["--policy", a.policy, "--disagg", a.disagg],
     )
@@ -94,18 +103,21 @@ def _up(argv: list[str]) -> int:
     auth = ' -H "Authorization: Bearer $PD_API_KEY"' if env("PD_API_KEY") else ""
     store = (f"KV store ({a.kv_transfer_mode} KV transfer, {a.store_replicas} replica(s)):\n{store_health(cluster)}\n"
              if store_nodes else "KV store: off\n")
+    grpc_security = (", mutual TLS on every gRPC hop" if tls.client_auth else ", TLS on every gRPC hop") if tls.enabled else ""
+    generate_tls = "".join(f" --{flag} {tls_env[name]}" for flag, name in (("tls-cert", "PD_TLS_CERT"), ("tls-key", "PD_TLS_KEY"),
+                                                                        ("tls-ca", "PD_TLS_CA")) if name in tls_env)
     metrics = "\n               ".join(f"{c.metrics}  ({c.name})" for c in cluster.children if c.metrics)
     otlp = trace_env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or env("OTEL_EXPORTER_OTLP_ENDPOINT")
     traces = f"OTLP to {otlp}" if otlp and env("OTEL_SDK_DISABLED", "").lower() != "true" else "off (--trace to export them)"
     print(
         f"\nsplitserve is up: {a.prefill} prefill + {a.decode} decode workers, model {a.model}\n"
-        f"  OpenAI API : {base}\n  gRPC       : {a.host}:{grpc_port} (pd.v1.RouterService)\n"
+        f"  OpenAI API : {base}\n  gRPC       : {a.host}:{grpc_port} (pd.v1.RouterService){grpc_security}\n"
         f"  Metrics    : {metrics}\n  Traces     : {traces}\n{store}\n"
         f"try:\n  curl -sN {base}/completions -H 'Content-Type: application/json'"
         f"{auth} \\\n"
         f"    -d '{{\"model\": \"{os.path.basename(a.model.rstrip('/')).removesuffix('.gguf')}\", \"prompt\": \"Once upon a time\", "
         f"\"max_tokens\": 48, \"temperature\": 0, \"stream\": true}}'\n"
-        f"  splitserve generate --router {a.host}:{grpc_port} \"Once upon a time\"\n\nCtrl-C stops the cluster.\n",
+        f"  splitserve generate --router {a.host}:{grpc_port}{generate_tls} \"Once upon a time\"\n\nCtrl-C stops the cluster.\n",
         flush=True,
     )
     code = 0
@@ -118,6 +130,19 @@ def _up(argv: list[str]) -> int:
     log.info("stopping the cluster")
     cluster.stop()
     return code
+
+
+def _tls_env(tls) -> dict[str, str]:
+    """PD_TLS_* variables that give every child process of `splitserve up` the same TLS configuration."""
+    env = {}
+    for name, path in (("PD_TLS_CERT", tls.cert_file), ("PD_TLS_KEY", tls.key_file), ("PD_TLS_CA", tls.ca_file)):
+        if path:
+            env[name] = os.path.abspath(path)
+    if tls.client_auth:
+        env["PD_TLS_CLIENT_AUTH"] = "1"
+    if tls.server_name:
+        env["PD_TLS_SERVER_NAME"] = tls.server_name
+    return env
 
 
 def _generate(argv: list[str]) -> int:

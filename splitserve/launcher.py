@@ -192,19 +192,21 @@ def store_children(host: str, num_nodes: int, master_args: list[str] | None = No
 
 
 def store_health(cluster: Cluster) -> str:
-    """One line per KV store process: health, and the master's view (mounted segments, capacity, use)."""
+    """One line per KV store process: health, and the master's view (mounted segments, capacity, use).
+    Over TLS when the cluster's processes were given it (``PD_TLS_*``)."""
     from pd.v1 import common_pb2, kvstore_pb2_grpc  # noqa: PLC0415
 
+    tls = tls_from_env({**os.environ, **cluster.env})
     lines = []
     for child in cluster.children:
         if not child.name.startswith("kvstore-"):
             continue
         address = child.health.removeprefix("grpc:")
-        state = "SERVING" if _healthy(child.health) else "NOT SERVING"
+        state = "SERVING" if _healthy(child.health, tls) else "NOT SERVING"
         detail = ""
         if child.name == "kvstore-master" and state == "SERVING":
             try:
-                with grpc.insecure_channel(address) as channel:
+                with sync_channel(address, tls) as channel:
                     c = kvstore_pb2_grpc.KVStoreMasterServiceStub(channel).GetStats(common_pb2.GetStatsRequest(), timeout=2).counters
                 detail = (f", {int(c['segments'])} segment(s) mounted, {c['capacity_bytes'] / 2**20:.0f} MiB, "
                           f"{c['used_bytes'] / 2**20:.1f} MiB used, {int(c['objects'])} objects")

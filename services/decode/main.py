@@ -30,7 +30,7 @@ async def serve(config: DecodeConfig) -> None:
     await engine.start()
     receiver = create_receiver(config.transport, engine.kv_cache, engine.layout, verify_checksum=config.kv_checksum)
     await receiver.start()
-    store_client, store = await start_store(config.store, engine)
+    store_client, store = await start_store(config.store, engine, config.tls)
     if store is not None:
         store = DecodeStore(engine, store, config.store.wait_s)
     server, health = create_server()

@@ -33,7 +33,7 @@ async def serve(config: PrefillConfig) -> None:
     sender = create_sender(config.transport, engine.kv_cache, engine.layout, host=config.data_host, port=config.data_port,
                            **sender_fault_options())
     await sender.start()
-    store_client, store = await start_store(config.store, engine)
+    store_client, store = await start_store(config.store, engine, config.tls)
     if store is not None:
         store = PrefillStore(engine, store, config.store.transfer_mode)
     server, health = create_server()

@@ -30,8 +30,9 @@ from pd.v1 import kvstore_pb2 as kv, kvstore_pb2_grpc
 
 from splitserve.errors import ChecksumMismatch, LeaseExpired, ObjectAlreadyExists, PdError, StoreIOError
 from splitserve.kvstore.data_client import StoreDataClient
-from splitserve.rpc.server import insecure_channel
+from splitserve.rpc.server import channel
 from splitserve.rpc.status import store_error, store_error_from_rpc
+from splitserve.rpc.tls import TlsConfig
 
 logger = logging.getLogger("splitserve.kvstore.client")
 
@@ -91,16 +92,19 @@ class KVStoreClient:
         suspect_s: after a failed read from a node, its replicas are tried last for this long (until the
             master, after its heartbeat timeout, stops listing them).
         clock: monotonic seconds (injectable for lease tests).
+        tls: TLS (and a client certificate for mutual TLS) of the master channel when enabled; the UCX
+            data plane to storage nodes is not encrypted.
     """
 
     def __init__(self, master: str, *, replicas: int = 0, rpc_timeout_s: float = 5.0, io_timeout_s: float = 5.0,
-                 connect_timeout_s: float = 1.0, suspect_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
+                 connect_timeout_s: float = 1.0, suspect_s: float = 10.0, clock: Callable[[], float] = time.monotonic,
+                 tls: TlsConfig | None = None) -> None:
         self.master = master
         self.replicas = replicas
         self.rpc_timeout_s = rpc_timeout_s
         self.io_timeout_s = io_timeout_s
         self.clock = clock
-        self._channel = insecure_channel(master)
+        self._channel = channel(master, tls)
         self._stub = kvstore_pb2_grpc.KVStoreMasterServiceStub(self._channel)
         self.data = StoreDataClient(connect_timeout_s)
         self.suspect_s = suspect_s

@@ -28,13 +28,13 @@ async def serve(config: MasterConfig) -> None:
     metrics = start_metrics_server(config.host, config.metrics_port)
     server, health = create_server()
     kvstore_pb2_grpc.add_KVStoreMasterServiceServicer_to_server(servicer, server)
-    port = bind(server, config.host, config.port)
+    port = bind(server, config.host, config.port, config.tls)
     await server.start()
     ticks = asyncio.create_task(servicer.run_ticks())
     await set_serving(health, [SERVICE])
     logger.info(
-        "kvstore master ready: grpc %s:%d, %d replica(s), lease %.1fs, put timeout %.1fs, heartbeat timeout %.1fs, metrics %s",
-        config.host, port, config.default_replicas, config.lease_s, config.put_timeout_s, config.heartbeat_timeout_s,
+        "kvstore master ready: grpc %s:%d%s, %d replica(s), lease %.1fs, put timeout %.1fs, heartbeat timeout %.1fs, metrics %s",
+        config.host, port, " (tls)" if config.tls.enabled else "", config.default_replicas, config.lease_s, config.put_timeout_s, config.heartbeat_timeout_s,
         metrics.url if metrics else "off",
     )
     stop = stop_event_on_signals()

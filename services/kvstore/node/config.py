@@ -7,6 +7,8 @@ import os
 import uuid
 from dataclasses import dataclass
 
+from splitserve.rpc.tls import TlsConfig, add_tls_args, tls_config
+
 
 @dataclass(frozen=True, slots=True)
 class NodeConfig:
@@ -18,6 +20,8 @@ class NodeConfig:
     host, port: gRPC control address (health + stats). data_host, data_port: UCX data endpoint.
     io_timeout_s: a read or write of object bytes that takes longer fails (the connection is aborted).
     rpc_timeout_s: deadline of each call to the master.
+    tls: TLS (optionally mutual) of the gRPC server and of the channel to the master (``splitserve.rpc.tls``).
+        The UCX data endpoint is not encrypted.
     """
 
     master: str
@@ -30,6 +34,7 @@ class NodeConfig:
     io_timeout_s: float = 30.0
     rpc_timeout_s: float = 5.0
     metrics_port: int = 0  # HTTP GET /metrics (Prometheus); 0 = any free port, -1 = off
+    tls: TlsConfig = TlsConfig()
 
     def __post_init__(self) -> None:
         if not self.master or not self.node_id:
@@ -52,6 +57,8 @@ def parse(argv: list[str] | None = None) -> NodeConfig:
     ap.add_argument("--data-port", type=int, default=int(env("PD_KVSTORE_DATA_PORT", "0")))
     ap.add_argument("--io-timeout-s", type=float, default=float(env("PD_KVSTORE_NODE_IO_TIMEOUT_S", "30")))
     ap.add_argument("--metrics-port", type=int, default=int(env("PD_METRICS_PORT", "0")), help="HTTP /metrics port; 0 = any free, -1 = off")
+    add_tls_args(ap)
     a = ap.parse_args(argv)
     return NodeConfig(master=a.master, node_id=a.node_id, segment_mb=a.segment_mb, host=a.host, port=a.port,
-                      data_host=a.data_host, data_port=a.data_port, io_timeout_s=a.io_timeout_s, metrics_port=a.metrics_port)
+                      data_host=a.data_host, data_port=a.data_port, io_timeout_s=a.io_timeout_s, metrics_port=a.metrics_port,
+                      tls=tls_config(a))

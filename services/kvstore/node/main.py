@@ -8,7 +8,7 @@ import logging
 from pd.v1 import kvstore_pb2, kvstore_pb2_grpc
 
 from splitserve.logs import setup_logging
-from splitserve.rpc.server import bind, create_server, insecure_channel, set_serving, stop_event_on_signals
+from splitserve.rpc.server import bind, channel as grpc_channel, create_server, set_serving, stop_event_on_signals
 from splitserve.services.kvstore.node.config import NodeConfig, parse
 from splitserve.services.kvstore.node.segment_server import SegmentServer
 from splitserve.services.kvstore.node.server import KVStoreNodeServicer, Membership
@@ -23,12 +23,12 @@ async def serve(config: NodeConfig) -> None:
 
     segment = SegmentServer(config.segment_mb * 2**20, host=config.data_host, port=config.data_port, io_timeout_s=config.io_timeout_s)
     await segment.start()
-    channel = insecure_channel(config.master)
+    channel = grpc_channel(config.master, config.tls)  # TLS (client certificate) when configured
     membership = Membership(kvstore_pb2_grpc.KVStoreMasterServiceStub(channel), config.node_id, segment.endpoint,
                             segment.nbytes, config.rpc_timeout_s)
     server, health = create_server()
     kvstore_pb2_grpc.add_KVStoreNodeServiceServicer_to_server(KVStoreNodeServicer(segment, membership), server)
-    port = bind(server, config.host, config.port)
+    port = bind(server, config.host, config.port, config.tls)
     await server.start()
     register_stats("kv_store_node", lambda: {f"ucx_{k}": v for k, v in segment.stats.as_dict().items()}, doc="KV store node")
     metrics = start_metrics_server(config.host, config.metrics_port)
@@ -38,8 +38,8 @@ async def serve(config: NodeConfig) -> None:
         while not membership.mounted and not stop.is_set():  # healthy only once the master knows us
             await asyncio.sleep(0.05)
         await set_serving(health, [SERVICE])
-        logger.info("storage node %s ready: grpc %s:%d, data %s, segment %d MiB, master %s",
-                    config.node_id, config.host, port, segment.endpoint, config.segment_mb, config.master)
+        logger.info("storage node %s ready: grpc %s:%d%s, data %s, segment %d MiB, master %s",
+                    config.node_id, config.host, port, " (tls)" if config.tls.enabled else "", segment.endpoint, config.segment_mb, config.master)
         await stop.wait()
     finally:
         logger.info("storage node %s stopping", config.node_id)
