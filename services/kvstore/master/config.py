@@ -6,6 +6,9 @@ import argparse
 import os
 from dataclasses import dataclass
 
+from splitserve.config_checks import check_port
+from splitserve.telemetry.exposition import check_metrics_port
+
 
 @dataclass(frozen=True, slots=True)
 class MasterConfig:
@@ -41,6 +44,8 @@ class MasterConfig:
     metrics_port: int = 0  # HTTP GET /metrics (Prometheus); 0 = any free port, -1 = off
 
     def __post_init__(self) -> None:
+        check_port("--port", self.port)
+        check_metrics_port(self.metrics_port)
         if not 1 <= self.default_replicas <= 16:
             raise ValueError(f"default_replicas must be in [1, 16], got {self.default_replicas}")
         for name in ("lease_s", "put_timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s", "tick_s"):
