@@ -58,7 +58,15 @@ def check_settings(command: str, argv: list[str]) -> None:
     """
     config = importlib.import_module(SERVERS[command][1]).parse(argv)
     model = getattr(config, "model", None)
-    if model and not Path(model).exists():
+    if not model:
+        return
+    from splitserve.model.synthetic import SYNTHETIC_CONFIGS, SYNTHETIC_PREFIX, is_synthetic
+
+    if is_synthetic(model):
+        if model.removeprefix(SYNTHETIC_PREFIX) not in SYNTHETIC_CONFIGS:
+            raise ValueError(f"--model: unknown synthetic model {model!r}; known: "
+                             + ", ".join(SYNTHETIC_PREFIX + name for name in SYNTHETIC_CONFIGS))
+    elif not Path(model).exists():
         raise ValueError(f"--model: no such file or directory: {model}")
 
 

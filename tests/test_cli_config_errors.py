@@ -18,6 +18,7 @@ CASES = [
     (["decode", "--kv-transfer-timeout-s", "0"], "kv_transfer_timeout_s must be > 0"),
     (["decode", "--metrics-port", "-2"], "metrics_port must be"),
     (["decode", "--model", "/nonexistent/model"], "--model: no such file or directory: /nonexistent/model"),
+    (["decode", "--model", "synthetic:llama-1t"], "unknown synthetic model 'synthetic:llama-1t'; known: synthetic:"),
     (["decode", "--kv-transfer-mode", "store"], "--kv-transfer-mode store needs --kvstore-master"),
     (["prefill", "--port", "-1"], "--port must be a TCP port"),
     (["prefill", "--data-port", "65536"], "--data-port must be a TCP port"),
@@ -91,11 +92,18 @@ def test_help_exits_0_without_starting(nothing_starts, capsys) -> None:
     assert exit_.value.code == 0 and "usage: splitserve router" in capsys.readouterr().out
 
 
-def test_good_settings_reach_the_server(monkeypatch) -> None:
+@pytest.mark.parametrize("argv", [
+    ["decode", "--port", "0", "--block-size", "32"],
+    ["prefill", "--model", "synthetic:llama-tiny"],
+    ["router", "--model", "synthetic:llama-tiny", "--disagg", "64", "--http-port", "0"],
+    ["colocated", "--http-port", "65535"],
+    ["kvstore-node", "--port", "0", "--data-port", "0"],
+])
+def test_good_settings_reach_the_server(monkeypatch, argv) -> None:
     seen = []
-    monkeypatch.setattr("splitserve.services.decode.main.main", lambda argv: seen.append(argv))
-    cli.main(["decode", "--port", "0", "--block-size", "32"])
-    assert seen == [["--port", "0", "--block-size", "32"]]
+    monkeypatch.setattr(f"{cli.SERVERS[argv[0]][0]}.main", lambda rest: seen.append(rest))
+    cli.main(argv)
+    assert seen == [argv[1:]]
 
 
 def test_a_real_process_prints_no_traceback() -> None:
