@@ -106,6 +106,8 @@ def test_good_settings_reach_the_server(monkeypatch, argv) -> None:
     assert seen == [argv[1:]]
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_a_real_process_prints_no_traceback() -> None:
     """The installed entry point, end to end (one case: each process start imports torch)."""
     proc = subprocess.run([sys.executable, "-m", "splitserve.cli", "decode", "--num-blocks", "-1"], capture_output=True,
