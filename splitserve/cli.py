@@ -1,14 +1,25 @@
-"""The `splitserve` command: up | prefill | decode | router | colocated | generate | bench."""
+"""The `splitserve` command: up | prefill | decode | router | colocated | generate | bench.
+
+Bad settings never start anything and never print a traceback: argparse reports unknown flags and
+unparsable values, and every server command first parses its arguments into its frozen config
+(whose ``__post_init__`` raises ValueError for out-of-range values, missing TLS files ...) and
+checks the model path; a failure prints one line, ``splitserve <command>: error: <why>``, and exits
+2. ``splitserve up`` checks its own flags and then each process's arguments the same way before it
+starts any of them.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import logging
 import os
 import signal
 import sys
 import time
+from pathlib import Path
+from typing import NoReturn
 
 USAGE = """splitserve <command> [options]
 
@@ -25,6 +36,57 @@ commands:
 
 `splitserve <command> --help` shows each command's options.
 """
+
+
+# command -> (module whose main(argv) runs it, module whose parse(argv) builds its validated config)
+SERVERS = {
+    "prefill": ("splitserve.services.prefill.main", "splitserve.services.prefill.config"),
+    "decode": ("splitserve.services.decode.main", "splitserve.services.decode.config"),
+    "router": ("splitserve.services.router.main", "splitserve.services.router.config"),
+    "colocated": ("splitserve.colocated.main", "splitserve.colocated.main"),
+    "kvstore-master": ("splitserve.services.kvstore.master.main", "splitserve.services.kvstore.master.config"),
+    "kvstore-node": ("splitserve.services.kvstore.node.main", "splitserve.services.kvstore.node.config"),
+}
+
+
+def check_settings(command: str, argv: list[str]) -> None:
+    """Parse ``argv`` as ``splitserve <command>`` does, starting nothing.
+
+    Raises:
+        ValueError: a setting its config refuses, or a ``--model`` path that does not exist.
+        SystemExit: argparse's own usage errors (2) and ``--help`` (0).
+    """
+    config = importlib.import_module(SERVERS[command][1]).parse(argv)
+    model = getattr(config, "model", None)
+    if not model:
+        return
+    from splitserve.model.synthetic import SYNTHETIC_CONFIGS, SYNTHETIC_PREFIX, is_synthetic
+
+    if is_synthetic(model):
+        if model.removeprefix(SYNTHETIC_PREFIX) not in SYNTHETIC_CONFIGS:
+            raise ValueError(f"--model: unknown synthetic model {model!r}; known: "
+                             + ", ".join(SYNTHETIC_PREFIX + name for name in SYNTHETIC_CONFIGS))
+    elif not Path(model).exists():
+        raise ValueError(f"--model: no such file or directory: {model}")
+
+
+def usage_error(command: str, message: object) -> NoReturn:
+    """Print ``splitserve <command>: error: <message>`` (argparse's form) and exit 2."""
+    print(f"splitserve {command}: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def _serve(command: str, argv: list[str]) -> None:
+    try:
+        check_settings(command, argv)
+    except ValueError as exc:
+        usage_error(command, exc)
+    importlib.import_module(SERVERS[command][0]).main(argv)
+
+
+def _child_command(argv: list[str]) -> tuple[str, list[str]]:
+    i = argv.index("splitserve.cli") + 1
+    return argv[i], argv[i + 1 :]
 
 
 def _up(argv: list[str]) -> int:
@@ -68,7 +130,9 @@ def _up(argv: list[str]) -> int:
     if tls.enabled and not tls.cert_file:
         ap.error("TLS: the cluster's gRPC servers need --tls-cert and --tls-key (PD_TLS_CERT, PD_TLS_KEY)")
     if a.kv_transfer_mode == "store" and not store_nodes:
-        ap.error("--kv-transfer-mode store needs the KV store (drop --no-store, --store-nodes >= 1)")
+        usage_error("up", "--kv-transfer-mode store needs the KV store (drop --no-store, --store-nodes >= 1)")
+    if store_nodes < 0:
+        usage_error("up", f"--store-nodes must be >= 0, got {store_nodes}")
     setup_logging("up")
     log = logging.getLogger("splitserve.up")
     trace_env = {}
@@ -78,12 +142,20 @@ def _up(argv: list[str]) -> int:
     tls_env = _tls_env(tls)
     worker_args = ["--transport", a.transport, "--block-size", str(a.block_size), "--kv-cache-mb", str(a.kv_cache_mb),
                    "--kv-transfer-mode", a.kv_transfer_mode]
-    cluster, http_port, grpc_port = build_cluster(
-        model=a.model, num_prefill=a.prefill, num_decode=a.decode, host=a.host,
-        http_port=a.http_port, grpc_port=a.grpc_port, worker_args=worker_args, env={**trace_env, **tls_env},
-        store_nodes=store_nodes, master_args=["--replicas", str(a.store_replicas)], node_args=["--segment-mb", str(a.store_mb)],
-        router_args=["--policy", a.policy, "--disagg", a.disagg],
-    )
+    try:
+        cluster, http_port, grpc_port = build_cluster(
+            model=a.model, num_prefill=a.prefill, num_decode=a.decode, host=a.host,
+            http_port=a.http_port, grpc_port=a.grpc_port, worker_args=worker_args, env={**trace_env, **tls_env},
+            store_nodes=store_nodes, master_args=["--replicas", str(a.store_replicas)], node_args=["--segment-mb", str(a.store_mb)],
+            router_args=["--policy", a.policy, "--disagg", a.disagg],
+        )
+        for child in cluster.children:  # every process's settings, before any starts
+            try:
+                check_settings(*_child_command(child.argv))
+            except ValueError as exc:
+                raise ValueError(f"{child.name}: {exc}") from None
+    except ValueError as exc:
+        usage_error("up", exc)
     stopping = False
 
     def on_signal(signum, frame):  # noqa: ARG001
@@ -163,9 +235,15 @@ def _generate(argv: list[str]) -> int:
     ap.add_argument("--api-key", default=os.environ.get("PD_API_KEY"), help="router API key (prefer PD_API_KEY)")
     add_tls_args(ap)
     a = ap.parse_args(argv)
+    if a.max_tokens < 1:
+        usage_error("generate", f"--max-tokens must be >= 1, got {a.max_tokens}")
+    try:
+        tls = tls_config(a)
+    except ValueError as exc:
+        usage_error("generate", exc)
 
     async def run() -> None:
-        async with RouterClient(a.router, tls=tls_config(a), api_key=a.api_key) as client:
+        async with RouterClient(a.router, tls=tls, api_key=a.api_key) as client:
             async for delta in client.generate(a.prompt, max_tokens=a.max_tokens, temperature=a.temperature,
                                                top_p=a.top_p, top_k=a.top_k, seed=a.seed, stop=a.stop):
                 sys.stdout.write(delta.text)
@@ -190,24 +268,15 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(_up(rest))
     if command == "generate":
         sys.exit(_generate(rest))
-    if command == "prefill":
-        from splitserve.services.prefill.main import main as run
-    elif command == "decode":
-        from splitserve.services.decode.main import main as run
-    elif command == "router":
-        from splitserve.services.router.main import main as run
-    elif command == "colocated":
-        from splitserve.colocated.main import main as run
-    elif command == "kvstore-master":
-        from splitserve.services.kvstore.master.main import main as run
-    elif command == "kvstore-node":
-        from splitserve.services.kvstore.node.main import main as run
+    if command in SERVERS:
+        _serve(command, rest)
     elif command == "bench":
         from splitserve.bench.cli import main as run
+
+        run(rest)
     else:
         print(f"unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
         sys.exit(2)
-    run(rest)
 
 
 if __name__ == "__main__":

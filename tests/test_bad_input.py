@@ -65,7 +65,7 @@ def http_cases(max_len: int):
         ("n-2", "/v1/completions", {**GOOD, "n": 2}, 400, "only n=1"),
         ("chat-n-3", "/v1/chat/completions", {**CHAT, "n": 3}, 400, "only n=1"),
         ("temperature-negative", "/v1/completions", {**GOOD, "temperature": -0.5}, 400, "greater than or equal to 0"),
-        ("temperature-nan", "/v1/completions", b'{"prompt": "Once", "temperature": NaN}', 400, "temperature"),
+        ("temperature-nan", "/v1/completions", b'{"prompt": "Once", "temperature": NaN}', 400, "NaN is not a valid JSON number"),
         ("top-p-0", "/v1/completions", {**GOOD, "top_p": 0}, 400, "greater than 0"),
         ("top-p-above-1", "/v1/completions", {**GOOD, "top_p": 1.5}, 400, "less than or equal to 1"),
         ("top-p-negative", "/v1/completions", {**GOOD, "top_p": -1}, 400, "greater than 0"),
@@ -79,10 +79,35 @@ def http_cases(max_len: int):
         ("stream-wrong-type", "/v1/completions", {**GOOD, "stream": "sometimes"}, 400, "stream"),
         ("messages-wrong-type", "/v1/chat/completions", {**CHAT, "messages": "hi"}, 400, "messages"),
         ("stop-wrong-type", "/v1/completions", {**GOOD, "stop": 5}, 400, "stop"),
+        # odd text: unpaired surrogates in every text field, odd JSON, loose types (strings are not numbers)
+        ("surrogate-prompt", "/v1/completions", b'{"prompt": "Once \\ud800 upon", "max_tokens": 4}', 400, "unpaired UTF-16 surrogate"),
+        ("surrogate-prompt-list", "/v1/completions", b'{"prompt": ["\\udfff"], "max_tokens": 4}', 400, "unpaired"),
+        ("surrogate-chat", "/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi \\ud800"}]}', 400, "unpaired"),
+        ("surrogate-chat-part", "/v1/chat/completions",
+         b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}]}', 400, "unpaired"),
+        ("surrogate-stop", "/v1/completions", b'{"prompt": "Once", "max_tokens": 4, "stop": ["\\ud800"]}', 400, "unpaired"),
+        ("surrogate-model", "/v1/completions", b'{"prompt": "Once", "model": "\\ud800"}', 400, "unpaired"),
+        ("infinity", "/v1/completions", b'{"prompt": "Once", "top_p": Infinity}', 400, "Infinity is not a valid JSON number"),
+        ("number-1e400", "/v1/completions", b'{"prompt": "Once", "temperature": 1e400}', 400, "out of range"),
+        ("duplicate-keys", "/v1/completions", b'{"prompt": "Once", "max_tokens": 4, "max_tokens": 400}', 400, "more than once"),
+        ("nested-deep", "/v1/completions", b'{"prompt": "Once", "user": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400, "levels deep"),
+        ("invalid-utf8-in-prompt", "/v1/completions", b'{"prompt": "Once \xed\xa0\x80", "max_tokens": 4}', 400, "not valid UTF-8"),
+        ("max-tokens-string", "/v1/completions", {**GOOD, "max_tokens": "8"}, 400,
+         "Invalid type for 'max_tokens': expected an integer, but got a string instead."),
+        ("max-tokens-bool", "/v1/completions", {**GOOD, "max_tokens": True}, 400, "expected an integer, but got a boolean"),
+        ("max-tokens-fraction", "/v1/completions", {**GOOD, "max_tokens": 4.5}, 400, "expected an integer, but got a decimal"),
+        ("temperature-string", "/v1/completions", {**GOOD, "temperature": "0"}, 400, "expected a number, but got a string"),
+        ("stream-int", "/v1/completions", {**GOOD, "stream": 1}, 400, "expected a boolean, but got an integer"),
+        ("prompt-6mb", "/v1/completions", {**GOOD, "prompt": "Once upon a time " * 370_000}, 400, "maximum context length"),
+        ("chat-6mb", "/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "x" * 6_000_000}]}, 400,
+         "maximum context length"),
     ]
 
 
-@pytest.mark.parametrize("case", range(27))
+N_HTTP_CASES = 45
+
+
+@pytest.mark.parametrize("case", range(N_HTTP_CASES))
 async def test_bad_http_request_is_a_clear_4xx_then_a_good_one_succeeds(cluster, max_len, case):
     cases = http_cases(max_len)
     name, path, body, status, fragment = cases[case]
@@ -100,7 +125,7 @@ async def test_bad_http_request_is_a_clear_4xx_then_a_good_one_succeeds(cluster,
 
 
 def test_http_cases_are_all_run(max_len):
-    assert len(http_cases(max_len)) == 27
+    assert len(http_cases(max_len)) == N_HTTP_CASES
 
 
 @pytest.mark.parametrize(("name", "prompt_len"), [("shorter-than-a-block", BLOCK // 3), ("exactly-one-block", BLOCK)])
@@ -137,7 +162,7 @@ async def test_valid_edge_values_are_served(cluster, max_len):
 
 def _raw_generate(prompt: str, sampling: bytes) -> bytes:
     """A GenerateRequest serialized by hand (to send what the Python protobuf API cannot build)."""
-    p = prompt.encode()
+    p = prompt.encode("utf-8", "surrogatepass")
     return b"\x0a" + bytes([len(p)]) + p + b"\x1a" + bytes([len(sampling)]) + sampling
 
 
@@ -164,6 +189,12 @@ def grpc_cases(max_len: int):
         ("five-stop-strings", router_pb2.GenerateRequest(prompt="Once", sampling=S(max_tokens=4), stop=list("abcde"))),
         ("malformed-bytes", b"\x0a\xff\xff\xff\xff\x0f"),
         ("wrong-wire-type", b"\x0d\x01\x02\x03\x04"),  # field 1 (prompt, a string) sent as fixed32
+        # a surrogate as UTF-8 bytes (what "\ud800" would be): not UTF-8, in the prompt and in a stop string
+        ("surrogate-bytes-prompt", _raw_generate("Once \ud800", b"\x08\x04")),
+        ("surrogate-bytes-stop", router_pb2.GenerateRequest(prompt="Once", sampling=S(max_tokens=4)).SerializeToString()
+         + b"\x22\x03\xed\xa0\x80"),
+        ("invalid-utf8-prompt", b"\x0a\x03a\xff\xfe\x1a\x02\x08\x04"),
+        ("prompt-6mb", router_pb2.GenerateRequest(prompt="Once upon a time " * 370_000, sampling=S(max_tokens=4))),
     ]
 
 
@@ -174,7 +205,10 @@ async def _good_grpc(stub) -> None:
     assert len(ids) == 3
 
 
-@pytest.mark.parametrize("case", range(18))
+N_GRPC_CASES = 22
+
+
+@pytest.mark.parametrize("case", range(N_GRPC_CASES))
 async def test_bad_grpc_request_is_invalid_argument_then_a_good_one_succeeds(cluster, max_len, case):
     cases = grpc_cases(max_len)
     name, request = cases[case]
@@ -190,7 +224,7 @@ async def test_bad_grpc_request_is_invalid_argument_then_a_good_one_succeeds(clu
 
 
 def test_grpc_cases_are_all_run(max_len):
-    assert len(grpc_cases(max_len)) == 18
+    assert len(grpc_cases(max_len)) == N_GRPC_CASES
 
 
 async def test_grpc_max_tokens_unset_means_the_default_and_one_is_served(cluster):
@@ -203,6 +237,47 @@ async def test_grpc_max_tokens_unset_means_the_default_and_one_is_served(cluster
         assert n == 16
         msgs = [r async for r in stub.Generate(router_pb2.GenerateRequest(prompt="Once upon a time", sampling=common_pb2.SamplingParams(max_tokens=1)))]
         assert sum(len(m.token_ids) for m in msgs) == 1 and msgs[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+
+
+async def test_odd_but_valid_text_is_served(cluster):
+    """NUL characters, escaped surrogate pairs (emoji), a UTF-8 BOM, a non-UTF-8 charset header on a UTF-8 body,
+    an integral 4.0 for max_tokens and a long stop string are fine, over HTTP and gRPC."""
+    base_url, router_grpc, _ = cluster
+    async with httpx.AsyncClient(base_url=base_url, timeout=60) as http:
+        bodies = [
+            (b'{"prompt": "Once\\u0000 upon a time", "max_tokens": 4, "temperature": 0}', "application/json"),
+            (b'{"prompt": "Once upon a time \\ud83d\\ude00", "max_tokens": 4, "temperature": 0}', "application/json"),
+            (b'{"prompt": "Once", "max_tokens": 4, "stop": ["\\u0000", "' + b"z" * 100_000 + b'"]}', "application/json"),
+            (b"\xef\xbb\xbf" + json.dumps(GOOD).encode(), "application/json"),
+            (json.dumps(GOOD).encode(), "application/json; charset=iso-8859-1"),
+            (json.dumps({**GOOD, "max_tokens": 4.0}).encode(), "application/json"),
+            (json.dumps({**CHAT, "messages": [{"role": "user", "content": "\x00\U0001f600 é"}]}, ensure_ascii=False).encode(),
+             "application/json"),
+        ]
+        for i, (body, content_type) in enumerate(bodies):
+            path = "/v1/chat/completions" if b'"messages"' in body else "/v1/completions"
+            r = await http.post(path, content=body, headers={"content-type": content_type})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1, (i, r.text)
+        await assert_good_http(http)
+    async with grpc.aio.insecure_channel(router_grpc) as ch:
+        stub = router_pb2_grpc.RouterServiceStub(ch)
+        msgs = [m async for m in stub.Generate(router_pb2.GenerateRequest(
+            prompt="Once\x00 upon a time \U0001f600", sampling=common_pb2.SamplingParams(max_tokens=3), stop=["\x00"]))]
+        assert sum(len(m.token_ids) for m in msgs) >= 1 and msgs[-1].usage.prompt_tokens > 0
+
+
+async def test_a_huge_prompt_that_fits_is_tokenized_and_served(cluster):
+    """500k characters the vocabulary does not know fuse into one <unk> token: the pre-check must not refuse
+    them (it counts only known characters for this tokenizer), and /health answers meanwhile. (That the
+    tokenization runs off the event loop is asserted with events in test_frontend_offload.py.)"""
+    base_url, _, _ = cluster
+    async with httpx.AsyncClient(base_url=base_url, timeout=60) as http:
+        big = asyncio.create_task(http.post("/v1/completions", json={**GOOD, "prompt": "é" * 500_000}))
+        health = await http.get("/health")
+        assert health.status_code == 200
+        r = await big
+        assert r.status_code == 200, r.text  # 6M unknown characters fuse into one <unk> token: it fits
+        await assert_good_http(http)
 
 
 # ------------------------------------------------------------------------------------------- stop strings

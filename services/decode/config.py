@@ -6,6 +6,7 @@ import argparse
 import os
 from dataclasses import dataclass
 
+from splitserve.config_checks import check_port
 from splitserve.engine.args import add_engine_args, engine_config
 from splitserve.engine.async_engine import EngineConfig
 from splitserve.kvstore.config import StoreClientConfig, add_store_args, store_config
@@ -30,6 +31,7 @@ class DecodeConfig:
 
     def __post_init__(self) -> None:
         check_metrics_port(self.metrics_port)
+        check_port("--port", self.port)
         if self.kv_transfer_timeout_s <= 0:
             raise ValueError(f"kv_transfer_timeout_s must be > 0, got {self.kv_transfer_timeout_s}")
         if self.kv_transfer_failure not in ("fallback", "error"):

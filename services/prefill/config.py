@@ -6,6 +6,7 @@ import argparse
 import os
 from dataclasses import dataclass
 
+from splitserve.config_checks import check_port
 from splitserve.engine.args import add_engine_args, engine_config
 from splitserve.engine.async_engine import EngineConfig
 from splitserve.errors import InvalidRequest
@@ -33,6 +34,8 @@ class PrefillConfig:
 
     def __post_init__(self) -> None:
         check_metrics_port(self.metrics_port)
+        check_port("--port", self.port)
+        check_port("--data-port", self.data_port)
         if self.kv_lease_s <= 0:
             raise ValueError(f"kv_lease_s must be > 0, got {self.kv_lease_s}")
         if self.data_advertise:

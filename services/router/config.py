@@ -6,6 +6,7 @@ import argparse
 import os
 from dataclasses import dataclass
 
+from splitserve.config_checks import check_port
 from splitserve.paths import default_model_path
 from splitserve.rpc.tls import TlsConfig, add_tls_args, tls_config
 
@@ -34,6 +35,8 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if not self.prefill or not self.decode:
             raise ValueError("the router needs at least one --prefill and one --decode worker address")
+        check_port("--http-port", self.http_port)
+        check_port("--grpc-port", self.grpc_port)
         from splitserve.services.router.policies import POLICIES
 
         if self.prefill_timeout_s <= 0:

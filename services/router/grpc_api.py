@@ -4,7 +4,10 @@ Generate validates the request (INVALID_ARGUMENT), runs it with the caller's dea
 the time left; an expired deadline is DEADLINE_EXCEEDED and aborts the work on every service; a call
 without a deadline gets none) and streams text deltas. A cancelled call closes the pipeline, which
 aborts the request on the prefill and decode workers. No field of the request names a worker or a KV
-transfer endpoint; unknown fields are ignored by protobuf and never consulted.
+transfer endpoint; unknown fields are ignored by protobuf and never consulted. Strings that are not
+valid UTF-8 never reach a handler (the strict decoder answers INVALID_ARGUMENT). Tokenization runs in
+worker threads (:class:`splitserve.frontend.offload.Offload`), and a text prompt that cannot fit the
+context is refused before it is tokenized.
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ from pd.v1 import common_pb2, router_pb2, router_pb2_grpc
 from splitserve.deadline import deadline_after
 from splitserve.errors import InvalidRequest, PdError
 from splitserve.frontend.backend import GenerationBackend
+from splitserve.frontend.offload import Offload
 from splitserve.frontend.pipeline import generate_text
+from splitserve.frontend.prompt_limit import PromptLimit
 from splitserve.rpc.convert import FINISH_TO_PROTO, sampling_from_proto
 from splitserve.rpc.status import abort_with
 from splitserve.telemetry.requests import observe_request
@@ -29,19 +34,28 @@ MAX_STOP_STRINGS = 4
 
 
 class RouterServicer(router_pb2_grpc.RouterServiceServicer):
-    def __init__(self, backend: GenerationBackend, tokenizer, max_model_len: int, model_name: str = "") -> None:
+    def __init__(
+        self, backend: GenerationBackend, tokenizer, max_model_len: int, model_name: str = "", offload: Offload | None = None
+    ) -> None:
         self.backend = backend
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
+        self.offload = offload or Offload()
+        self.prompt_limit = PromptLimit(tokenizer, max_model_len)
         self.vocab_size = tokenizer.hf.get_vocab_size(with_added_tokens=True)
         self.streams_open = 0
         self.model_name = model_name  # for telemetry
 
     def _prompt_ids(self, request: router_pb2.GenerateRequest) -> list[int]:
+        """Token ids of the request's prompt (runs in a worker thread). Raises InvalidRequest."""
         which = request.WhichOneof("input")
         if which == "prompt":
             if not request.prompt:
                 raise InvalidRequest("the prompt is empty")
+            if not self.prompt_limit.fits(request.prompt):
+                raise InvalidRequest(
+                    f"the prompt ({len(request.prompt)} characters) cannot fit the context ({self.max_model_len} tokens)"
+                )
             ids = self.tokenizer.encode(request.prompt)
         elif which == "prompt_token_ids":
             ids = list(request.prompt_token_ids.ids)
@@ -58,7 +72,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         request_id = f"gen-{uuid.uuid4().hex}"
         self.streams_open += 1
         try:
-            prompt_ids = self._prompt_ids(request)
+            prompt_ids = await self.offload.run(request.ByteSize(), self._prompt_ids, request)  # off the event loop
             params = sampling_from_proto(request.sampling, default_max_tokens=DEFAULT_MAX_TOKENS)
             if len(prompt_ids) + params.max_tokens > self.max_model_len:
                 raise InvalidRequest(

@@ -11,6 +11,7 @@ from pathlib import Path
 import uvicorn
 from pd.v1 import router_pb2_grpc
 
+from splitserve.config_checks import check_port
 from splitserve.engine.args import add_engine_args, engine_config
 from splitserve.services.router.grpc_api import RouterServicer
 from splitserve.colocated.backend import LocalBackend
@@ -57,7 +58,8 @@ async def serve(args: argparse.Namespace) -> None:
         await engine.stop()
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (``--help`` and usage errors exit 2). Raises ValueError for bad settings."""
     env = os.environ.get
     ap = argparse.ArgumentParser(prog="splitserve colocated", description="Serve prefill and decode in one process.")
     add_engine_args(ap)
@@ -67,6 +69,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--grpc-port", type=int, default=int(env("PD_GRPC_PORT", "50050")))
     ap.add_argument("--api-key", default=env("PD_API_KEY"), help="require Authorization: Bearer <key> (prefer PD_API_KEY)")
     add_tls_args(ap)
+    args = ap.parse_args(argv)
+    engine_config(args)  # the frozen configs validate themselves (ValueError)
+    tls_config(args)
+    check_port("--http-port", args.http_port)
+    check_port("--grpc-port", args.grpc_port)
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
     setup_logging("coloc")
     setup_tracing("splitserve-colocated")
-    asyncio.run(serve(ap.parse_args(argv)))
+    asyncio.run(serve(args))

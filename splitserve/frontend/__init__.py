@@ -6,8 +6,11 @@ Modules (import what you need; this package imports nothing eagerly):
     detokenizer  incremental detokenization (DecodeStream, offset fallback)
     stop         stop-string matching with hold-back
     chat         chat template rendering and encoding
-    protocol     OpenAI request/response pydantic models
+    protocol     OpenAI request/response pydantic models (strict types)
+    json_body    request bytes -> JSON object, strictly (UTF-8, no NaN, no duplicate keys or lone surrogates)
     validation   request body -> validated inputs, or a 400/404 APIError
+    prompt_limit refusing a prompt that cannot fit the context before tokenizing it
+    offload      worker threads for request preparation (parsing, chat template, tokenization)
     errors       exceptions -> HTTP status + OpenAI error body (the one mapping)
     responses    response objects and stream chunks
     sse          SSE response and client-disconnect handling

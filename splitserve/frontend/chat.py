@@ -31,6 +31,7 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from splitserve.frontend.errors import APIError
+from splitserve.frontend.prompt_limit import PromptLimit
 
 FALLBACK_TEMPLATE = (
     "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
@@ -96,9 +97,15 @@ def render_chat(
         raise APIError(f"Could not apply the chat template: {e}", param="messages") from None
 
 
-def encode_chat(tokenizer: Any, messages: Sequence[dict[str, Any]]) -> list[int]:
-    """Render with the tokenizer's template (or the fallback) and encode without a double BOS."""
+def encode_chat(tokenizer: Any, messages: Sequence[dict[str, Any]], limit: PromptLimit | None = None) -> list[int]:
+    """Render with the tokenizer's template (or the fallback) and encode without a double BOS.
+
+    CPU-heavy for long conversations: call it off the event loop. With ``limit``, a rendered prompt
+    that cannot fit the context is refused before tokenizing (400 context_length_exceeded).
+    """
     text = render_chat(messages, tokenizer.chat_template, tokenizer.bos_token, tokenizer.eos_token)
+    if limit is not None:
+        limit.check(text, "messages")
     bos = tokenizer.bos_token
     add_special = not (bos and text.startswith(bos))
     return list(tokenizer.encode(text, add_special_tokens=add_special))

@@ -53,8 +53,14 @@ class APIError(Exception):
         self.code = code
 
     def body(self) -> dict[str, Any]:
-        """The OpenAI error object ``{"error": {...}}``."""
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        """The OpenAI error object ``{"error": {...}}`` (text that echoes client input made UTF-8 safe)."""
+        return {"error": {"message": utf8_safe(self.message), "type": self.type,
+                          "param": None if self.param is None else utf8_safe(self.param), "code": self.code}}
+
+
+def utf8_safe(text: str) -> str:
+    """``text`` with unpaired surrogates (from client JSON escapes) written as ``\\udXXX`` escapes."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def model_not_found(model: str) -> APIError:

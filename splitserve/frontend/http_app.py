@@ -15,7 +15,13 @@ pipeline and so aborts the backend request. Request ids (``cmpl-<hex>`` /
 
 Hostile input: bodies above ``max_body_bytes`` get 413 unread; no field or header can name a
 worker, a KV transfer endpoint or a store (unknown fields are 400, headers are not consulted);
-with ``api_key`` every route but ``/health`` needs ``Authorization: Bearer <key>`` (401).
+with ``api_key`` every route but ``/health`` needs ``Authorization: Bearer <key>`` (401). Odd
+JSON and text (unpaired surrogates, NaN, duplicate keys, deep nesting, wrong types) are 400s
+(:mod:`.json_body`, :mod:`.protocol`).
+
+Preparing a request (parsing, chat template, tokenization) runs in worker threads
+(:class:`.offload.Offload`), never on the event loop, and a text prompt that cannot fit the
+context is refused before it is tokenized (:mod:`.prompt_limit`).
 """
 
 from __future__ import annotations
@@ -39,7 +45,9 @@ from splitserve.frontend.auth import ApiKeyMiddleware
 from splitserve.frontend.backend import GenerationBackend, ModelInfo
 from splitserve.frontend.chat import encode_chat
 from splitserve.frontend.errors import APIError, error_response, to_api_error
+from splitserve.frontend.offload import Offload
 from splitserve.frontend.pipeline import TextDelta, generate_text
+from splitserve.frontend.prompt_limit import PromptLimit
 from splitserve.frontend.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest, ModelCard
 from splitserve.frontend.responses import ChatFormatter, CompletionFormatter, Outcome, ResponseFormatter
 from splitserve.frontend.sse import DONE, SSEResponse, cancel_on_disconnect, sse_event
@@ -64,6 +72,7 @@ def build_app(
     api_key: str | None = None,
     request_timeout_s: float | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    offload: Offload | None = None,
 ) -> Starlette:
     """Build the ASGI app serving ``model_info`` with tokens from ``backend``.
 
@@ -75,10 +84,11 @@ def build_app(
         request_timeout_s: when set, each generation request gets this deadline (504
             ``deadline_exceeded`` before the first byte, an SSE error event after); None: no deadline.
         max_body_bytes: larger request bodies get 413 without being read.
+        offload: the thread pools that prepare requests (default: a new :class:`Offload`).
     """
     if request_timeout_s is not None and request_timeout_s <= 0:
         raise ValueError(f"request_timeout_s must be > 0, got {request_timeout_s}")
-    api = _OpenAIServer(model_info, backend, request_timeout_s, max_body_bytes)
+    api = _OpenAIServer(model_info, backend, request_timeout_s, max_body_bytes, offload or Offload())
     routes: list[BaseRoute] = [
         Route("/v1/completions", api.completions, methods=["POST"]),
         Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
@@ -98,7 +108,8 @@ class _OpenAIServer:
     """Request handlers bound to one model and backend."""
 
     def __init__(
-        self, model_info: ModelInfo, backend: GenerationBackend, request_timeout_s: float | None, max_body_bytes: int
+        self, model_info: ModelInfo, backend: GenerationBackend, request_timeout_s: float | None, max_body_bytes: int,
+        offload: Offload,
     ) -> None:
         self.info = model_info
         self.backend = backend
@@ -106,15 +117,14 @@ class _OpenAIServer:
         self.created = int(time.time())
         self.request_timeout_s = request_timeout_s
         self.max_body_bytes = max_body_bytes
+        self.offload = offload
+        self.prompt_limit = PromptLimit(self.tokenizer, model_info.max_model_len)
 
     async def completions(self, request: Request) -> Response:
         """``POST /v1/completions``."""
         try:
-            req = v.parse_request(await v.read_body(request, self.max_body_bytes), CompletionRequest, v.UNSUPPORTED_COMPLETION)
-            v.check_model(req.model, self.info.name)
-            prompt_ids = v.completion_prompt_ids(req, self.tokenizer)
-            requested = COMPLETION_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
-            params = self._params(req, prompt_ids, requested, "prompt")
+            body = await v.read_body(request, self.max_body_bytes)
+            req, prompt_ids, params = await self.offload.run(len(body), self._prepare_completion, body)
         except Exception as e:
             return error_response(e)
         fmt = CompletionFormatter(id=f"cmpl-{uuid.uuid4().hex}", model=self.info.name)
@@ -123,14 +133,28 @@ class _OpenAIServer:
     async def chat_completions(self, request: Request) -> Response:
         """``POST /v1/chat/completions``."""
         try:
-            req = v.parse_request(await v.read_body(request, self.max_body_bytes), ChatCompletionRequest, v.UNSUPPORTED_CHAT)
-            v.check_model(req.model, self.info.name)
-            prompt_ids = encode_chat(self.tokenizer, [m.template_dict() for m in req.messages])
-            params = self._params(req, prompt_ids, req.requested_max_tokens, "messages")
+            body = await v.read_body(request, self.max_body_bytes)
+            req, prompt_ids, params = await self.offload.run(len(body), self._prepare_chat, body)
         except Exception as e:
             return error_response(e)
         fmt = ChatFormatter(id=f"chatcmpl-{uuid.uuid4().hex}", model=self.info.name)
         return await self._serve(request, req, prompt_ids, params, fmt)
+
+    def _prepare_completion(self, body: bytes) -> tuple[CompletionRequest, list[int], SamplingParams]:
+        """Body -> validated request, prompt ids, sampling params (a worker thread; raises APIError)."""
+        req = v.parse_request(body, CompletionRequest, v.UNSUPPORTED_COMPLETION)
+        v.check_model(req.model, self.info.name)
+        prompt_ids = v.completion_prompt_ids(req, self.tokenizer, self.prompt_limit)
+        requested = COMPLETION_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+        return req, prompt_ids, self._params(req, prompt_ids, requested, "prompt")
+
+    def _prepare_chat(self, body: bytes) -> tuple[ChatCompletionRequest, list[int], SamplingParams]:
+        """Body -> validated request, rendered and encoded prompt, sampling params (a worker thread)."""
+        req = v.parse_request(body, ChatCompletionRequest, v.UNSUPPORTED_CHAT)
+        v.check_model(req.model, self.info.name)
+        messages = [m.template_dict() for m in req.messages]
+        prompt_ids = encode_chat(self.tokenizer, messages, self.prompt_limit)
+        return req, prompt_ids, self._params(req, prompt_ids, req.requested_max_tokens, "messages")
 
     async def models(self, request: Request) -> Response:
         """``GET /v1/models``: the one served model."""

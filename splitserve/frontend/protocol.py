@@ -6,21 +6,36 @@ Requests accept the OpenAI fields plus the vLLM-style extensions ``top_k``,
 naming the field; any other unknown field is rejected as OpenAI does
 ("Unrecognized request argument supplied"). Responses and stream chunks have exactly
 OpenAI's shape (``logprobs`` always null).
+
+Requests are validated strictly for types, as OpenAI does: a string is never coerced to a number
+or a boolean (``"max_tokens": "8"`` is a 400), a boolean is not an integer, an integer field takes
+a JSON number only when it is integral (``8`` or ``8.0``, not ``8.5``), and a number field takes
+integers too (JSON has one number type: ``"temperature": 1`` is fine).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, field_validator, model_validator
 
 MAX_STOP_STRINGS = 4
+
+
+def _integral_float_to_int(v: Any) -> Any:
+    return int(v) if isinstance(v, float) and v.is_integer() else v
+
+
+JsonInt = Annotated[int, BeforeValidator(_integral_float_to_int)]
+"""An integer field of a strict request model: also takes an integral JSON number such as ``8.0``."""
+
+_STRICT = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(BaseModel):
     """``stream_options``: ``include_usage`` (OpenAI) and vLLM's ``continuous_usage_stats`` (usage on every chunk)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = _STRICT
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
@@ -28,20 +43,20 @@ class StreamOptions(BaseModel):
 class GenerationRequest(BaseModel):
     """Fields shared by completions and chat completions (sampling, stop, streaming)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = _STRICT
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: JsonInt | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1)
-    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    top_k: JsonInt | None = Field(default=None, ge=-1)
+    seed: JsonInt | None = Field(default=None, ge=0)
     stop: str | list[str] | None = None
     stop_token_ids: list[StrictInt] | None = None
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: JsonInt = 1
 
     @field_validator("stop")
     @classmethod
@@ -51,6 +66,13 @@ class GenerationRequest(BaseModel):
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop sequences are allowed, got {len(items)}")
         if any(s == "" for s in items):
             raise ValueError("stop sequences must not be empty strings")
+        return v
+
+    @field_validator("seed")
+    @classmethod
+    def _check_seed(cls, v: int | None) -> int | None:
+        if v is not None and v >= 2**63:  # not Field(lt=...): pydantic prints a bound that large as a float
+            raise ValueError(f"must be less than 2**63 = {2**63}")
         return v
 
     @field_validator("stop_token_ids")
@@ -99,7 +121,7 @@ class CompletionRequest(GenerationRequest):
 class TextContentPart(BaseModel):
     """A ``{"type": "text", "text": ...}`` content part (the only kind supported)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = _STRICT
     type: Literal["text"]
     text: str
 
@@ -107,7 +129,7 @@ class TextContentPart(BaseModel):
 class ChatMessage(BaseModel):
     """One chat message; extra keys (``name``, ``tool_call_id`` ...) are passed to the template."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
 
@@ -129,7 +151,7 @@ class ChatCompletionRequest(GenerationRequest):
     """``POST /v1/chat/completions``; ``max_completion_tokens`` wins over ``max_tokens``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: JsonInt | None = Field(default=None, ge=1)
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -48,8 +48,8 @@ class SimpleTokenizer:
         return cls(Tokenizer.from_file(path), **kwargs)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Text to ids, with BOS first when ``add_special_tokens``."""
-        ids = self.hf.encode(text, add_special_tokens=False).ids
+        """Text to ids, with BOS first when ``add_special_tokens`` (GIL released while tokenizing)."""
+        ids = self.hf.encode_batch([text], add_special_tokens=False)[0].ids
         if add_special_tokens and self.bos_token_id is not None:
             ids = [self.bos_token_id, *ids]
         return ids

@@ -7,7 +7,6 @@ prompt normalisation, the context-length budget and :class:`SamplingParams`.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -15,6 +14,8 @@ from pydantic import BaseModel, ValidationError
 
 from splitserve.engine.sampling import SamplingParams
 from splitserve.frontend.errors import APIError, model_not_found
+from splitserve.frontend.json_body import parse_json_object
+from splitserve.frontend.prompt_limit import PromptLimit
 from splitserve.frontend.protocol import CompletionRequest, GenerationRequest
 
 M = TypeVar("M", bound=BaseModel)
@@ -101,15 +102,11 @@ def parse_request(body: bytes, cls: type[M], unsupported: dict[str, Callable[[An
     """Parse and validate a JSON request body into ``cls``.
 
     Raises:
-        APIError: 400 for malformed JSON, a non-object body, an unsupported or unknown
-            field, or any validation error.
+        APIError: 400 for a body :func:`.json_body.parse_json_object` refuses (not UTF-8, malformed,
+            NaN, duplicate keys, too deep, unpaired surrogates, not an object), an unsupported or
+            unknown field, a value of the wrong JSON type, or any other validation error.
     """
-    try:
-        data = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise APIError(f"We could not parse the JSON body of your request: {e}") from None
-    if not isinstance(data, dict):
-        raise APIError("The request body must be a JSON object.")
+    data = parse_json_object(body)
     for name, acceptable in unsupported.items():
         if name in data:
             if not acceptable(data[name]):
@@ -140,7 +137,42 @@ def _readable(e: ValidationError) -> APIError:
     hint = _UNION_HINTS.get(parts[-1]) if is_union else None
     if hint is not None and not err["type"].startswith("value_error"):
         return APIError(f"'{param}' {hint}.", param=param)
+    expected = _EXPECTED.get(err["type"])
+    if expected is not None:
+        return APIError(
+            f"Invalid type for '{param}': expected {expected}, but got {_json_type(err['input'])} instead.", param=param
+        )
     return APIError(f"Invalid value for '{param}': {msg}", param=param)
+
+
+# pydantic type-error kinds -> the JSON type the field wants (OpenAI's "Invalid type for ..." message)
+_EXPECTED = {
+    "int_type": "an integer",
+    "int_from_float": "an integer",
+    "float_type": "a number",
+    "bool_type": "a boolean",
+    "string_type": "a string",
+    "list_type": "an array",
+    "dict_type": "an object",
+    "model_type": "an object",
+    "model_attributes_type": "an object",
+}
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a decimal number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    return "an object"
 
 
 def check_model(requested: str | None, served: str) -> None:
@@ -149,12 +181,14 @@ def check_model(requested: str | None, served: str) -> None:
         raise model_not_found(requested)
 
 
-def completion_prompt_ids(req: CompletionRequest, tokenizer: Any) -> list[int]:
-    """Token ids of the single prompt of a completion request.
+def completion_prompt_ids(req: CompletionRequest, tokenizer: Any, limit: PromptLimit | None = None) -> list[int]:
+    """Token ids of the single prompt of a completion request (CPU-heavy: call it off the event loop).
+
+    ``limit`` refuses a text prompt that cannot fit the context before it is tokenized.
 
     Raises:
-        APIError: 400 for batched prompts (several prompts), an empty prompt, or token
-            ids outside the vocabulary.
+        APIError: 400 for batched prompts (several prompts), an empty prompt, a text prompt
+            that cannot fit (context_length_exceeded), or token ids outside the vocabulary.
     """
     prompt: Any = req.prompt
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
@@ -168,6 +202,8 @@ def completion_prompt_ids(req: CompletionRequest, tokenizer: Any) -> list[int]:
     if len(prompt) == 0:
         raise APIError("The prompt must not be empty.", param="prompt")
     if isinstance(prompt, str):
+        if limit is not None:
+            limit.check(prompt, "prompt")
         return list(tokenizer.encode(prompt, add_special_tokens=True))
     check_token_ids(prompt, tokenizer, "prompt")
     return list(prompt)

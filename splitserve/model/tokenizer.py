@@ -55,8 +55,13 @@ class Tokenizer:
         self._special = frozenset(special)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text``; BOS prepended iff ``add_special_tokens and add_bos_token`` and not already there."""
-        ids = self.hf.encode(text, add_special_tokens=False).ids
+        """Token ids of ``text``; BOS prepended iff ``add_special_tokens and add_bos_token`` and not already there.
+
+        Releases the GIL while tokenizing (``encode_batch`` does, ``encode`` does not), so a long prompt
+        tokenized in a worker thread does not stall the event loop. Raises TypeError for a str that is
+        not valid Unicode (unpaired surrogates).
+        """
+        ids = self.hf.encode_batch([text], add_special_tokens=False)[0].ids
         if add_special_tokens and self.add_bos_token and (not ids or ids[0] != self.bos_token_id):
             ids = [self.bos_token_id, *ids]
         return ids

@@ -7,6 +7,8 @@ import os
 from dataclasses import dataclass
 
 from splitserve.rpc.tls import TlsConfig, add_tls_args, tls_config
+from splitserve.config_checks import check_port
+from splitserve.telemetry.exposition import check_metrics_port
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +47,8 @@ class MasterConfig:
     tls: TlsConfig = TlsConfig()
 
     def __post_init__(self) -> None:
+        check_port("--port", self.port)
+        check_metrics_port(self.metrics_port)
         if not 1 <= self.default_replicas <= 16:
             raise ValueError(f"default_replicas must be in [1, 16], got {self.default_replicas}")
         for name in ("lease_s", "put_timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s", "tick_s"):

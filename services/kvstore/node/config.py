@@ -8,6 +8,8 @@ import uuid
 from dataclasses import dataclass
 
 from splitserve.rpc.tls import TlsConfig, add_tls_args, tls_config
+from splitserve.config_checks import check_port
+from splitserve.telemetry.exposition import check_metrics_port
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +41,9 @@ class NodeConfig:
     def __post_init__(self) -> None:
         if not self.master or not self.node_id:
             raise ValueError("a storage node needs --master and a node id")
+        check_port("--port", self.port)
+        check_port("--data-port", self.data_port)
+        check_metrics_port(self.metrics_port)
         if self.segment_mb < 1:
             raise ValueError(f"segment_mb must be >= 1, got {self.segment_mb}")
         if self.io_timeout_s <= 0 or self.rpc_timeout_s <= 0:
