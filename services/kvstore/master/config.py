@@ -6,6 +6,8 @@ import argparse
 import os
 from dataclasses import dataclass
 
+from splitserve.rpc.keepalive import KeepaliveConfig, add_keepalive_args, keepalive_config
+
 
 @dataclass(frozen=True, slots=True)
 class MasterConfig:
@@ -39,6 +41,7 @@ class MasterConfig:
     max_key_bytes: int = 256
     max_batch: int = 65536
     metrics_port: int = 0  # HTTP GET /metrics (Prometheus); 0 = any free port, -1 = off
+    keepalive: KeepaliveConfig = KeepaliveConfig()  # gRPC PINGs: hung peers detected
 
     def __post_init__(self) -> None:
         if not 1 <= self.default_replicas <= 16:
@@ -69,9 +72,11 @@ def parse(argv: list[str] | None = None) -> MasterConfig:
     ap.add_argument("--evict-high", type=float, default=float(env("PD_KVSTORE_EVICT_HIGH", str(d.evict_high))))
     ap.add_argument("--evict-low", type=float, default=float(env("PD_KVSTORE_EVICT_LOW", str(d.evict_low))))
     ap.add_argument("--metrics-port", type=int, default=int(env("PD_METRICS_PORT", "0")), help="HTTP /metrics port; 0 = any free, -1 = off")
+    add_keepalive_args(ap)
     a = ap.parse_args(argv)
     return MasterConfig(
         host=a.host, port=a.port, default_replicas=a.replicas, lease_s=a.lease_s, put_timeout_s=a.put_timeout_s,
         heartbeat_interval_s=a.heartbeat_interval_s, heartbeat_timeout_s=a.heartbeat_timeout_s,
         evict_high=a.evict_high, evict_low=a.evict_low, metrics_port=a.metrics_port,
+        keepalive=keepalive_config(a),
     )

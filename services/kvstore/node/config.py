@@ -7,6 +7,8 @@ import os
 import uuid
 from dataclasses import dataclass
 
+from splitserve.rpc.keepalive import KeepaliveConfig, add_keepalive_args, keepalive_config
+
 
 @dataclass(frozen=True, slots=True)
 class NodeConfig:
@@ -30,6 +32,7 @@ class NodeConfig:
     io_timeout_s: float = 30.0
     rpc_timeout_s: float = 5.0
     metrics_port: int = 0  # HTTP GET /metrics (Prometheus); 0 = any free port, -1 = off
+    keepalive: KeepaliveConfig = KeepaliveConfig()  # gRPC PINGs: hung peers detected
 
     def __post_init__(self) -> None:
         if not self.master or not self.node_id:
@@ -52,6 +55,8 @@ def parse(argv: list[str] | None = None) -> NodeConfig:
     ap.add_argument("--data-port", type=int, default=int(env("PD_KVSTORE_DATA_PORT", "0")))
     ap.add_argument("--io-timeout-s", type=float, default=float(env("PD_KVSTORE_NODE_IO_TIMEOUT_S", "30")))
     ap.add_argument("--metrics-port", type=int, default=int(env("PD_METRICS_PORT", "0")), help="HTTP /metrics port; 0 = any free, -1 = off")
+    add_keepalive_args(ap)
     a = ap.parse_args(argv)
     return NodeConfig(master=a.master, node_id=a.node_id, segment_mb=a.segment_mb, host=a.host, port=a.port,
-                      data_host=a.data_host, data_port=a.data_port, io_timeout_s=a.io_timeout_s, metrics_port=a.metrics_port)
+                      data_host=a.data_host, data_port=a.data_port, io_timeout_s=a.io_timeout_s, metrics_port=a.metrics_port,
+                      keepalive=keepalive_config(a))
