@@ -2,8 +2,10 @@
 local processes.
 
 Waits until every process is healthy, prints the endpoints, reports any process that dies,
-and on Ctrl-C / SIGTERM stops them all (SIGTERM, then SIGKILL after a grace period). Each
-child also gets PR_SET_PDEATHSIG, so none outlives a launcher that is killed outright.
+and on Ctrl-C / SIGTERM stops them gracefully, front to back: the router first (it drains: in-flight
+requests finish within the shutdown grace period while the workers still serve them), then the prefill
+and decode workers (drained too), then the KV store; a process still running after the grace period (plus a
+margin) is killed. Each child also gets PR_SET_PDEATHSIG, so none outlives a launcher that is killed outright.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitserve.rpc.server import sync_channel
+from splitserve.rpc.shutdown import DEFAULT_GRACE_S
 from splitserve.rpc.tls import TlsConfig, tls_from_env
 from splitserve.transfer import ucx_env_defaults
 
@@ -106,12 +109,30 @@ class Cluster:
                 out.append(child)
         return out
 
-    def stop(self, grace_s: float = 10.0) -> None:
+    def stop(self, grace_s: float | None = None) -> None:
+        """SIGTERM in stages (router; workers; KV store and the rest), each stage waited for up to ``grace_s``
+        (default: the children's shutdown grace, ``PD_SHUTDOWN_GRACE_S``, plus 10 s) before SIGKILL."""
+        if grace_s is None:
+            grace_s = float({**os.environ, **self.env}.get("PD_SHUTDOWN_GRACE_S") or DEFAULT_GRACE_S) + 10.0
+        stages: list[list[Child]] = [[], [], []]
+        for child in self.children:
+            stages[0 if child.name == "router" else 1 if child.name.startswith(("prefill", "decode")) else 2].append(child)
+        for stage in stages:
+            self._stop(stage, grace_s)
+
+    def interrupt(self) -> None:
+        """SIGTERM to every running child again: a process already draining stops at once."""
         for child in self.children:
             if child.proc and child.proc.poll() is None:
                 child.proc.send_signal(signal.SIGTERM)
+
+    @staticmethod
+    def _stop(children: list[Child], grace_s: float) -> None:
+        for child in children:
+            if child.proc and child.proc.poll() is None:
+                child.proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + grace_s
-        for child in self.children:
+        for child in children:
             if child.proc is None:
                 continue
             try:
