@@ -20,7 +20,7 @@ from starlette.routing import Route
 from splitserve.engine.sampling import SamplingParams
 from splitserve.errors import StreamStalled, WorkerUnavailable
 from splitserve.frontend.draining import DrainMiddleware
-from splitserve.launcher import Child, Cluster
+from splitserve.launcher import Child, Cluster, free_port
 from splitserve.rpc import keepalive
 from splitserve.rpc.keepalive import KeepaliveConfig, keepalive_from_env
 from splitserve.rpc.server import bind, channel, channel_options, create_server, server_options
@@ -284,10 +284,14 @@ async def _serve_prefill() -> tuple[grpc.aio.Server, str, object]:
 
 
 _CHILD = r"""
-import signal, sys, time
-name, delay, log = sys.argv[1], float(sys.argv[2]), sys.argv[3]
+import signal, socket, sys, time
+name, delay, log, port = sys.argv[1], float(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+listener = socket.create_server(("127.0.0.1", port)) if port else None
 def on_term(*_):
     open(log, "a").write(f"{name} term {time.monotonic()}\n")
+    if listener:
+        listener.close()  # drained: stops accepting, then takes its time to exit
+        open(log, "a").write(f"{name} closed {time.monotonic()}\n")
     time.sleep(delay)
     open(log, "a").write(f"{name} exit {time.monotonic()}\n")
     sys.exit(0)
@@ -302,8 +306,10 @@ def test_cluster_stops_the_router_first_then_the_workers_then_the_store(tmp_path
     log = tmp_path / "log"
     script = tmp_path / "child.py"
     script.write_text(_CHILD)
-    children = [Child(name, [sys.executable, str(script), name, delay, str(log)], "")
-                for name, delay in (("prefill-0", "0"), ("decode-0", "0.2"), ("kvstore-master", "0"), ("router", "0.5"))]
+    port = free_port()
+    children = [Child(name, [sys.executable, str(script), name, delay, str(log), str(p)], health)
+                for name, delay, p, health in (("prefill-0", "0", 0, ""), ("decode-0", "0.2", 0, ""), ("kvstore-master", "0", 0, ""),
+                                               ("router", "1.0", port, f"http://127.0.0.1:{port}/health"))]
     cluster = Cluster(children)
     cluster.start()
     t0 = time.monotonic()
@@ -315,7 +321,8 @@ def test_cluster_stops_the_router_first_then_the_workers_then_the_store(tmp_path
     for line in log.read_text().splitlines():
         name, what, t = line.split()
         events[(name, what)] = float(t)
-    assert events[("router", "exit")] <= min(events[("prefill-0", "term")], events[("decode-0", "term")])
+    # the workers are stopped once the router has drained (closed its port), while it exits
+    assert events[("router", "closed")] <= min(events[("prefill-0", "term")], events[("decode-0", "term")]) < events[("router", "exit")]
     assert max(events[("prefill-0", "exit")], events[("decode-0", "exit")]) <= events[("kvstore-master", "term")]
     assert all(c.proc.returncode == 0 for c in children)
     hung = Child("router", [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
