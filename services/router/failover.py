@@ -225,11 +225,11 @@ class RoutedBackend(DisaggregatedBackend):
                     if code in _DOWN:  # unreachable, hung, stalled or draining: out of rotation, even mid-stream
                         self.registry.mark_failed(decode, reason)
                     if started or not self._retryable_code(code, deadline):
-                        raise err from exc
+                        raise err from (exc if err is not exc else None)
                     decode_tried.add(decode.address)
                     nxt = self._pick(DECODE, prompt, decode_tried) if len(decode_tried) < self.decode_attempts else None
                     if nxt is None:
-                        raise err from exc
+                        raise err from (exc if err is not exc else None)
                     ROUTER_FAILOVERS.labels(DECODE).inc()
                     self.counters["decode_retries"] += 1
                     logger.warning("request %s: decode worker %s failed before streaming (%s); trying %s", request_id,
