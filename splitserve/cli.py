@@ -117,6 +117,9 @@ def _up(argv: list[str]) -> int:
                     help="router's worker selection policy")
     ap.add_argument("--disagg", default=env("PD_DISAGG", "always"),
                     help="always | auto | N: prompts with < N uncached tokens are prefilled on the decode worker")
+    ap.add_argument("--shutdown-grace-s", type=float, default=float(env("PD_SHUTDOWN_GRACE_S") or 30.0),
+                    help="Ctrl-C/SIGTERM: in-flight requests may finish within this many seconds (0: stop at once; "
+                         "a second Ctrl-C stops at once too)")
     ap.add_argument("--trace", action="store_true", help="every process exports OpenTelemetry traces over OTLP")
     ap.add_argument("--otlp-endpoint", help="OTLP endpoint for --trace (implies it); default $OTEL_EXPORTER_OTLP_ENDPOINT "
                     "or http://127.0.0.1:4317 (e.g. Jaeger all-in-one)")
@@ -133,6 +136,8 @@ def _up(argv: list[str]) -> int:
         usage_error("up", "--kv-transfer-mode store needs the KV store (drop --no-store, --store-nodes >= 1)")
     if store_nodes < 0:
         usage_error("up", f"--store-nodes must be >= 0, got {store_nodes}")
+    if not a.shutdown_grace_s >= 0:
+        usage_error("up", f"--shutdown-grace-s must be >= 0, got {a.shutdown_grace_s}")
     setup_logging("up")
     log = logging.getLogger("splitserve.up")
     trace_env = {}
@@ -145,7 +150,7 @@ def _up(argv: list[str]) -> int:
     try:
         cluster, http_port, grpc_port = build_cluster(
             model=a.model, num_prefill=a.prefill, num_decode=a.decode, host=a.host,
-            http_port=a.http_port, grpc_port=a.grpc_port, worker_args=worker_args, env={**trace_env, **tls_env},
+            http_port=a.http_port, grpc_port=a.grpc_port, worker_args=worker_args, env={**trace_env, **tls_env, "PD_SHUTDOWN_GRACE_S": str(a.shutdown_grace_s)},
             store_nodes=store_nodes, master_args=["--replicas", str(a.store_replicas)], node_args=["--segment-mb", str(a.store_mb)],
             router_args=["--policy", a.policy, "--disagg", a.disagg],
         )
@@ -160,6 +165,8 @@ def _up(argv: list[str]) -> int:
 
     def on_signal(signum, frame):  # noqa: ARG001
         nonlocal stopping
+        if stopping:  # a second Ctrl-C: every process stops now, without waiting for requests in flight
+            cluster.interrupt()
         stopping = True
 
     signal.signal(signal.SIGINT, on_signal)
@@ -199,7 +206,7 @@ def _up(argv: list[str]) -> int:
             if child.name == "router":
                 stopping, code = True, 1
         time.sleep(0.3)
-    log.info("stopping the cluster")
+    log.info("stopping the cluster: draining requests in flight (up to %.0f s; Ctrl-C again to stop at once)", a.shutdown_grace_s)
     cluster.stop()
     return code
 

@@ -35,6 +35,10 @@ class WorkerUnavailable(PdError):
     """No healthy worker could serve the request (UNAVAILABLE)."""
 
 
+class StreamStalled(WorkerUnavailable):
+    """A worker's stream sent nothing for longer than its stall timeout: treated as a failed worker (UNAVAILABLE)."""
+
+
 class DeadlineExceeded(PdError):
     """The request's deadline passed before it finished (DEADLINE_EXCEEDED, HTTP 504)."""
 # --- KV store (services/kvstore, splitserve/kvstore) ---------------------------------------------------

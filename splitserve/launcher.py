@@ -2,8 +2,10 @@
 local processes.
 
 Waits until every process is healthy, prints the endpoints, reports any process that dies,
-and on Ctrl-C / SIGTERM stops them all (SIGTERM, then SIGKILL after a grace period). Each
-child also gets PR_SET_PDEATHSIG, so none outlives a launcher that is killed outright.
+and on Ctrl-C / SIGTERM stops them gracefully, front to back: the router first (it drains: in-flight
+requests finish within the shutdown grace period while the workers still serve them), then the prefill
+and decode workers (drained too), then the KV store; a process still running after the grace period (plus a
+margin) is killed. Each child also gets PR_SET_PDEATHSIG, so none outlives a launcher that is killed outright.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitserve.rpc.server import sync_channel
+from splitserve.rpc.shutdown import DEFAULT_GRACE_S
 from splitserve.rpc.tls import TlsConfig, tls_from_env
 from splitserve.transfer import ucx_env_defaults
 
@@ -106,19 +109,61 @@ class Cluster:
                 out.append(child)
         return out
 
-    def stop(self, grace_s: float = 10.0) -> None:
+    def stop(self, grace_s: float | None = None) -> None:
+        """SIGTERM in stages, front to back: the router (the workers move on as soon as it has drained and closed
+        its port; its exit overlaps), then the prefill and decode workers, then the KV store and the rest. A
+        process still running ``grace_s`` after its SIGTERM (default: the children's shutdown grace,
+        ``PD_SHUTDOWN_GRACE_S``, plus 10 s) is killed."""
+        if grace_s is None:
+            grace_s = float({**os.environ, **self.env}.get("PD_SHUTDOWN_GRACE_S") or DEFAULT_GRACE_S) + 10.0
+        front, workers, rest = [], [], []
+        for child in self.children:
+            (front if child.name == "router" else workers if child.name.startswith(("prefill", "decode")) else rest).append(child)
+        front_deadline = self._term(front, grace_s)
+        self._wait(front, front_deadline, until_closed=True)
+        for stage in (workers, rest):
+            self._wait(stage, self._term(stage, grace_s))
+        self._wait(front, front_deadline)
+
+    def interrupt(self) -> None:
+        """SIGTERM to every running child again: a process already draining stops at once."""
         for child in self.children:
             if child.proc and child.proc.poll() is None:
                 child.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for child in self.children:
-            if child.proc is None:
-                continue
-            try:
-                child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+
+    @staticmethod
+    def _term(children: list[Child], grace_s: float) -> float:
+        for child in children:
+            if child.proc and child.proc.poll() is None:
+                child.proc.send_signal(signal.SIGTERM)
+        return time.monotonic() + grace_s
+
+    @staticmethod
+    def _wait(children: list[Child], deadline: float, until_closed: bool = False) -> None:
+        """Until every child has exited (or, ``until_closed``, no longer accepts connections on its health port);
+        SIGKILL those still running at ``deadline``."""
+        pending = [c for c in children if c.proc is not None]
+        while pending and time.monotonic() < deadline:
+            pending = [c for c in pending if c.proc.poll() is None and not (until_closed and not _accepting(c.health))]
+            if pending:
+                time.sleep(0.05)
+        for child in pending:
+            if child.proc.poll() is None:
                 os.killpg(child.proc.pid, signal.SIGKILL)
-                child.proc.wait()
+            child.proc.wait()
+
+
+def _accepting(target: str) -> bool:
+    """Whether the port of a health target ("grpc:host:port" or "http://host:port/...") accepts connections."""
+    address = target.removeprefix("grpc:").removeprefix("http://").removeprefix("https://").split("/")[0]
+    host, _, port = address.rpartition(":")
+    if not port.isdigit():
+        return False
+    try:
+        with socket.create_connection((host, int(port)), timeout=0.5):
+            return True
+    except OSError:
+        return False
 
 
 def _healthy(target: str, tls: TlsConfig | None = None) -> bool:

@@ -1,5 +1,6 @@
 """A whole P/D deployment in one process for fast tests: real engines, real gRPC servers (optionally TLS),
-the inproc KV transport, the router's DisaggregatedBackend, RouterService and HTTP app."""
+the inproc KV transport, the router's RoutedBackend (every worker in rotation, no polling), RouterService and
+HTTP app."""
 
 from __future__ import annotations
 
@@ -18,9 +19,19 @@ from splitserve.rpc.tls import TlsConfig
 from splitserve.served_model import ServedModel
 from splitserve.services.decode.server import DecodeServicer
 from splitserve.services.prefill.server import PrefillServicer
-from splitserve.services.router.backend import DisaggregatedBackend, RetryPolicy
+from splitserve.services.router.failover import RoutedBackend
+from splitserve.services.router.registry import WorkerRegistry
 from splitserve.services.router.grpc_api import RouterServicer
 from splitserve.transfer import create_receiver, create_sender
+
+
+def static_backend(prefill: list[str], decode: list[str], tls: TlsConfig | None = None, **kw) -> RoutedBackend:
+    """A RoutedBackend (round robin) over fixed workers that are all in rotation from the start and never polled:
+    requests reach dead ones (listed first) and fail over deterministically. ``kw`` goes to RoutedBackend."""
+    registry = WorkerRegistry(prefill, decode, tls=tls)
+    for w in registry.all():
+        w.up = True
+    return RoutedBackend(registry, **kw)
 
 
 @dataclass
@@ -38,7 +49,7 @@ class InprocCluster:
         tls: TlsConfig | None = None, api_key: str | None = None, lease_s: float = 30.0, transfer_timeout_s: float = 2.0,
         transfer_failure: str = "fallback", verify_checksum: bool = False, corrupt: bool = False,
         advertise: str | None = None, request_timeout_s: float | None = None, prefill_timeout_s: float = 60.0,
-        retry: RetryPolicy = RetryPolicy(), kv_cache_mb: int = 4,
+        local_prefill_fallback: bool = True, kv_cache_mb: int = 4,
     ) -> None:
         self.lm = lm
         self.tls = tls
@@ -48,7 +59,7 @@ class InprocCluster:
                           verify_checksum=verify_checksum, corrupt=corrupt, advertise=advertise, kv_cache_mb=kv_cache_mb)
         self.request_timeout_s = request_timeout_s
         self.prefill_timeout_s = prefill_timeout_s
-        self.retry = retry
+        self.local_prefill_fallback = local_prefill_fallback
         self.prefill: list[Worker] = []
         self.decode: list[Worker] = []
 
@@ -79,9 +90,9 @@ class InprocCluster:
             self.decode.append(Worker(servicer, engine, server, address, [receiver.close, engine.stop]))
         dead_p = [f"127.0.0.1:{free_port()}" for _ in range(o["dead_prefill"])]
         dead_d = [f"127.0.0.1:{free_port()}" for _ in range(o["dead_decode"])]
-        self.backend = DisaggregatedBackend(
-            dead_p + [w.address for w in self.prefill], dead_d + [w.address for w in self.decode],
-            self.prefill_timeout_s, tls=self.tls, retry=self.retry,
+        self.backend = static_backend(
+            dead_p + [w.address for w in self.prefill], dead_d + [w.address for w in self.decode], tls=self.tls,
+            prefill_timeout_s=self.prefill_timeout_s, local_prefill_fallback=self.local_prefill_fallback,
         )
         self.router_servicer = RouterServicer(self.backend, self.lm.tokenizer, self.lm.max_model_len)
         self.router_server, _ = create_server(api_key=self.api_key, protected_services=["pd.v1.RouterService"])

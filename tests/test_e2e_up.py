@@ -57,8 +57,16 @@ def test_up_serves_and_stops_cleanly():
         gen = subprocess.run([sys.executable, "-m", "splitserve.cli", "generate", "--router", f"127.0.0.1:{grpc_port}",
                               "--max-tokens", "8", "Once upon a time"], capture_output=True, text=True, timeout=60)
         assert gen.returncode == 0 and gen.stdout.strip() == r.json()["choices"][0]["text"].strip()
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=30) == 0
+        # Ctrl-C drains: a stream in flight completes in full, then everything exits 0
+        body = {"model": "TinyStories-656K", "prompt": "Once upon a time", "max_tokens": 400, "temperature": 0,
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", f"http://127.0.0.1:{http_port}/v1/completions", json=body, timeout=60) as stream:
+            lines = stream.iter_lines()
+            assert next(line for line in lines if line.startswith("data: {"))  # streaming has started
+            proc.send_signal(signal.SIGINT)
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]" and '"completion_tokens":400' in rest[-2].replace(" ", "")
+        assert proc.wait(timeout=60) == 0
         time.sleep(0.2)
         assert not [k for k in kids if _alive(k)]
     finally:

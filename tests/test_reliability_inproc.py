@@ -19,7 +19,6 @@ from splitserve.model import load_model
 from splitserve.paths import default_model_path
 from splitserve.rpc.server import channel
 from splitserve.rpc.tls import TlsConfig
-from splitserve.services.router.backend import RetryPolicy
 from tests.certs import make_pki
 from tests.inproc_cluster import InprocCluster
 
@@ -88,7 +87,7 @@ async def test_no_prefill_worker_left_the_decode_worker_prefills(lm, prompt_ids)
         assert c.backend.counters["prefill_retries"] == 1 and c.backend.counters["local_prefill_fallbacks"] == 1
         assert (await c.worker_stats())[0]["local_prefills"] == 1
         await c.wait_idle()
-        c.backend.retry = RetryPolicy(local_prefill_fallback=False)
+        c.backend.local_prefill_fallback = False
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await generate(c, prompt_ids)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "prefill worker" in err.value.details()
@@ -266,7 +265,7 @@ async def test_deadlines_propagate_as_remaining_time_and_none_is_imposed(lm):
     from splitserve.frontend.http_app import build_app
     from splitserve.rpc.server import bind, create_server
     from splitserve.served_model import ServedModel
-    from splitserve.services.router.backend import DisaggregatedBackend
+    from tests.inproc_cluster import static_backend
     from splitserve.services.router.grpc_api import RouterServicer
     from pd.v1 import router_pb2_grpc
     import httpx
@@ -276,8 +275,8 @@ async def test_deadlines_propagate_as_remaining_time_and_none_is_imposed(lm):
     prefill_pb2_grpc.add_PrefillServiceServicer_to_server(_RecordingPrefill(seen), server)
     decode_pb2_grpc.add_DecodeServiceServicer_to_server(_RecordingDecode(seen), server)
     router_pb2_grpc.add_RouterServiceServicer_to_server(
-        RouterServicer(backend := DisaggregatedBackend([addr := "127.0.0.1:%d" % bind(server, "127.0.0.1", 0)], [addr],
-                                                       prefill_timeout_s=60.0), lm.tokenizer, lm.max_model_len), server)
+        RouterServicer(backend := static_backend([addr := "127.0.0.1:%d" % bind(server, "127.0.0.1", 0)], [addr],
+                                                 prefill_timeout_s=60.0), lm.tokenizer, lm.max_model_len), server)
     await server.start()
     try:
         async with RouterClient(addr) as client:

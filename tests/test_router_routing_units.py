@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 from pd.v1 import common_pb2, prefill_pb2_grpc
@@ -99,7 +100,11 @@ def test_auto_threshold_from_measured_costs():
 
 
 class _Prefill(prefill_pb2_grpc.PrefillServiceServicer):
+    failing = False
+
     async def GetStats(self, request, context):
+        if self.failing:
+            await context.abort(grpc.StatusCode.INTERNAL, "stats broken")
         return common_pb2.GetStatsResponse(counters={"kv_blocks_free": 7, "kv_blocks_total": 8, "requests_running": 1})
 
     async def GetKVLayout(self, request, context):
@@ -109,7 +114,7 @@ class _Prefill(prefill_pb2_grpc.PrefillServiceServicer):
 
 async def test_registry_marks_a_worker_down_after_missed_heartbeats_and_up_on_recovery():
     server, health = create_server()
-    prefill_pb2_grpc.add_PrefillServiceServicer_to_server(_Prefill(), server)
+    prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servicer := _Prefill(), server)
     port = bind(server, "127.0.0.1", 0)
     await server.start()
     reg = WorkerRegistry([f"127.0.0.1:{port}"], [f"127.0.0.1:{free_port()}"], poll_interval_s=0.05, miss_limit=2)
@@ -118,13 +123,17 @@ async def test_registry_marks_a_worker_down_after_missed_heartbeats_and_up_on_re
         await reg.poll_all()
         assert w.up and not dead.up and dead.last_error == "UNAVAILABLE"
         assert w.free_blocks == 7 and w.layout.block_size == 16
-        await health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        servicer.failing = True
         assert not await reg.poll_once(w)
         assert w.up  # one missed heartbeat: still in rotation
         assert not await reg.poll_once(w)
         assert not w.up and reg.up(PREFILL) == []
-        await health.set("", health_pb2.HealthCheckResponse.SERVING)
+        servicer.failing = False
         assert await reg.poll_once(w) and w.up  # recovered
+        await health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)  # draining for a shutdown: out at once
+        assert not await reg.poll_once(w) and not w.up and "NOT_SERVING" in w.last_error
+        await health.set("", health_pb2.HealthCheckResponse.SERVING)
+        assert await reg.poll_once(w) and w.up
         reg.mark_failed(w, "UNAVAILABLE")  # a request found it unreachable: out at once
         assert not w.up and reg.snapshot()[0]["state"] == "down"
         reg.start()  # the loop brings it back

@@ -10,6 +10,8 @@ from splitserve.config_checks import check_port
 from splitserve.engine.args import add_engine_args, engine_config
 from splitserve.engine.async_engine import EngineConfig
 from splitserve.kvstore.config import StoreClientConfig, add_store_args, store_config
+from splitserve.rpc.keepalive import KeepaliveConfig, add_keepalive_args, keepalive_config
+from splitserve.rpc.shutdown import DEFAULT_GRACE_S, add_shutdown_args, check_grace
 from splitserve.rpc.tls import TlsConfig, add_tls_args, tls_config
 from splitserve.telemetry.exposition import check_metrics_port
 
@@ -28,10 +30,13 @@ class DecodeConfig:
     engine: EngineConfig = EngineConfig()
     store: StoreClientConfig = StoreClientConfig()
     tls: TlsConfig = TlsConfig()
+    keepalive: KeepaliveConfig = KeepaliveConfig()  # gRPC PINGs: hung peers detected
+    shutdown_grace_s: float = DEFAULT_GRACE_S  # SIGTERM: in-flight calls may finish within this (0: stop at once)
 
     def __post_init__(self) -> None:
         check_metrics_port(self.metrics_port)
         check_port("--port", self.port)
+        check_grace(self.shutdown_grace_s)
         if self.kv_transfer_timeout_s <= 0:
             raise ValueError(f"kv_transfer_timeout_s must be > 0, got {self.kv_transfer_timeout_s}")
         if self.kv_transfer_failure not in ("fallback", "error"):
@@ -53,10 +58,12 @@ def parse(argv: list[str] | None = None) -> DecodeConfig:
     add_store_args(ap)
     ap.add_argument("--metrics-port", type=int, default=int(env("PD_METRICS_PORT", "0")), help="HTTP /metrics port; 0 = any free, -1 = off")
     add_tls_args(ap)
+    add_keepalive_args(ap)
+    add_shutdown_args(ap)
     a = ap.parse_args(argv)
     return DecodeConfig(
         model=a.model, host=a.host, port=a.port, transport=a.transport,
         kv_transfer_timeout_s=a.kv_transfer_timeout_s, kv_transfer_failure=a.kv_transfer_failure,
         kv_checksum=a.kv_checksum, torch_threads=a.torch_threads, metrics_port=a.metrics_port, engine=engine_config(a),
-        store=store_config(a), tls=tls_config(a),
+        store=store_config(a), tls=tls_config(a), keepalive=keepalive_config(a), shutdown_grace_s=a.shutdown_grace_s,
     )

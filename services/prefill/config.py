@@ -11,6 +11,8 @@ from splitserve.engine.args import add_engine_args, engine_config
 from splitserve.engine.async_engine import EngineConfig
 from splitserve.errors import InvalidRequest
 from splitserve.kvstore.config import StoreClientConfig, add_store_args, store_config
+from splitserve.rpc.keepalive import KeepaliveConfig, add_keepalive_args, keepalive_config
+from splitserve.rpc.shutdown import DEFAULT_GRACE_S, add_shutdown_args, check_grace
 from splitserve.rpc.tls import TlsConfig, add_tls_args, tls_config
 from splitserve.telemetry.exposition import check_metrics_port
 from splitserve.transfer.common import parse_endpoint
@@ -31,11 +33,14 @@ class PrefillConfig:
     engine: EngineConfig = EngineConfig()
     store: StoreClientConfig = StoreClientConfig()
     tls: TlsConfig = TlsConfig()
+    keepalive: KeepaliveConfig = KeepaliveConfig()  # gRPC PINGs: hung peers detected
+    shutdown_grace_s: float = DEFAULT_GRACE_S  # SIGTERM: in-flight calls may finish within this (0: stop at once)
 
     def __post_init__(self) -> None:
         check_metrics_port(self.metrics_port)
         check_port("--port", self.port)
         check_port("--data-port", self.data_port)
+        check_grace(self.shutdown_grace_s)
         if self.kv_lease_s <= 0:
             raise ValueError(f"kv_lease_s must be > 0, got {self.kv_lease_s}")
         if self.data_advertise:
@@ -59,10 +64,12 @@ def parse(argv: list[str] | None = None) -> PrefillConfig:
     add_store_args(ap)
     ap.add_argument("--metrics-port", type=int, default=int(env("PD_METRICS_PORT", "0")), help="HTTP /metrics port; 0 = any free, -1 = off")
     add_tls_args(ap)
+    add_keepalive_args(ap)
+    add_shutdown_args(ap)
     a = ap.parse_args(argv)
     return PrefillConfig(
         model=a.model, host=a.host, port=a.port, data_host=a.data_host, data_port=a.data_port,
         data_advertise=a.data_advertise, transport=a.transport, kv_lease_s=a.kv_lease_s,
         torch_threads=a.torch_threads, metrics_port=a.metrics_port, engine=engine_config(a),
-        store=store_config(a), tls=tls_config(a),
+        store=store_config(a), tls=tls_config(a), keepalive=keepalive_config(a), shutdown_grace_s=a.shutdown_grace_s,
     )

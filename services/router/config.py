@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 from splitserve.config_checks import check_port
 from splitserve.paths import default_model_path
+from splitserve.rpc.keepalive import KeepaliveConfig, add_keepalive_args, keepalive_config
+from splitserve.rpc.shutdown import DEFAULT_GRACE_S, add_shutdown_args, check_grace
 from splitserve.rpc.tls import TlsConfig, add_tls_args, tls_config
 
 
@@ -31,8 +33,14 @@ class RouterConfig:
     request_timeout_s: float | None = None  # deadline of each HTTP request; None = none (gRPC: the caller's)
     api_key: str | None = None  # Bearer key for the HTTP API and RouterService; None = open
     tls: TlsConfig = TlsConfig()
+    decode_stall_timeout_s: float | None = 60.0  # a decode stream silent this long is ended as a failed worker; None = off
+    keepalive: KeepaliveConfig = KeepaliveConfig()  # gRPC PINGs: hung workers detected
+    shutdown_grace_s: float = DEFAULT_GRACE_S  # SIGTERM: in-flight requests may finish within this (0: stop at once)
 
     def __post_init__(self) -> None:
+        check_grace(self.shutdown_grace_s)
+        if self.decode_stall_timeout_s is not None and not self.decode_stall_timeout_s > 0:
+            raise ValueError(f"decode_stall_timeout_s must be > 0 (None: off), got {self.decode_stall_timeout_s}")
         if not self.prefill or not self.decode:
             raise ValueError("the router needs at least one --prefill and one --decode worker address")
         check_port("--http-port", self.http_port)
@@ -84,7 +92,11 @@ def parse(argv: list[str] | None = None) -> RouterConfig:
                     help="deadline of each HTTP request (0 or unset: none)")
     ap.add_argument("--api-key", default=env("PD_API_KEY") or None,
                     help="require Authorization: Bearer <key> on the HTTP API and RouterService (prefer PD_API_KEY)")
+    ap.add_argument("--decode-stall-timeout-s", type=_optional_float, default=_optional_float(env("PD_DECODE_STALL_TIMEOUT_S", "60")),
+                    help="a decode stream with no message for this long fails (failover before its first token); 0: off")
     add_tls_args(ap)
+    add_keepalive_args(ap)
+    add_shutdown_args(ap)
     a = ap.parse_args(argv)
     return RouterConfig(
         model=a.model, prefill=a.prefill, decode=a.decode, host=a.host, http_port=a.http_port,
@@ -92,5 +104,6 @@ def parse(argv: list[str] | None = None) -> RouterConfig:
         policy=a.policy, disagg=a.disagg.strip().lower(), poll_interval_s=a.poll_interval_s, miss_limit=a.miss_limit,
         prefill_attempts=a.prefill_attempts, decode_attempts=a.decode_attempts,
         local_prefill_fallback=a.local_prefill_fallback, request_timeout_s=a.request_timeout_s,
-        api_key=a.api_key, tls=tls_config(a),
+        api_key=a.api_key, tls=tls_config(a), decode_stall_timeout_s=a.decode_stall_timeout_s,
+        keepalive=keepalive_config(a), shutdown_grace_s=a.shutdown_grace_s,
     )

@@ -12,6 +12,9 @@ Per request:
    (at most ``decode_attempts``); the KV handle stays valid (the prefill worker holds it on a lease).
 5. Once tokens flow from a decode stream, a failure ends the request with a typed error (an SSE error
    event / a gRPC status at the front ends), never a hang, and is not retried (tokens already sent).
+6. Hung workers: gRPC keepalive fails the calls to a stopped or unreachable worker with UNAVAILABLE
+   (``splitserve.rpc.keepalive``); a decode stream that sends nothing for ``decode_stall_timeout_s`` fails the
+   same way (``stall.py``). Either takes the worker out of rotation, before or after the first token.
 
 Clients cannot pick workers: addresses come only from the registry (router configuration).
 """
@@ -30,7 +33,7 @@ from pd.v1 import decode_pb2, prefill_pb2
 
 from splitserve.deadline import hop_timeout, time_left
 from splitserve.engine.sampling import SamplingParams
-from splitserve.errors import WorkerUnavailable
+from splitserve.errors import StreamStalled, WorkerUnavailable
 from splitserve.frontend.backend import TokenEvent
 from splitserve.rpc.convert import FINISH_FROM_PROTO, sampling_to_proto
 from splitserve.rpc.status import error_from_rpc
@@ -38,6 +41,7 @@ from splitserve.services.router.backend import DisaggregatedBackend
 from splitserve.services.router.disaggregation import DisaggregationPolicy
 from splitserve.services.router.policies import Policy, RoundRobin
 from splitserve.services.router.registry import DECODE, PREFILL, WorkerRegistry, WorkerState
+from splitserve.services.router.stall import stall_guard
 from splitserve.telemetry.metrics import DISAGG_DECISIONS, ROUTER_FAILOVERS, ROUTER_WORKER_PICKS
 
 logger = logging.getLogger(__name__)
@@ -61,13 +65,15 @@ class RoutedBackend(DisaggregatedBackend):
         prefill_attempts / decode_attempts: bounded tries on distinct workers of each role.
         wait_for_workers_s: how long a request waits for a worker of a role to be up before failing
             with UNAVAILABLE (covers start-up and a short outage).
+        decode_stall_timeout_s: a decode stream with no message for this long fails as UNAVAILABLE (None: no limit).
     """
 
     def __init__(self, registry: WorkerRegistry, policy: Policy | None = None, disagg: DisaggregationPolicy | None = None,
                  *, prefill_timeout_s: float = 60.0, prefill_attempts: int = 2, decode_attempts: int = 2,
-                 wait_for_workers_s: float = 5.0, local_prefill_fallback: bool = True) -> None:
+                 wait_for_workers_s: float = 5.0, local_prefill_fallback: bool = True,
+                 decode_stall_timeout_s: float | None = 60.0) -> None:
         self.registry = registry
-        self.prefill_workers = registry.workers[PREFILL]  # for check_layouts / close of the base class
+        self.prefill_workers = registry.workers[PREFILL]  # for check_layouts of the base class
         self.decode_workers = registry.workers[DECODE]
         self.policy = policy or RoundRobin()
         self.disagg = disagg or DisaggregationPolicy("always")
@@ -75,8 +81,9 @@ class RoutedBackend(DisaggregatedBackend):
         self.prefill_attempts, self.decode_attempts = max(prefill_attempts, 1), max(decode_attempts, 1)
         self.wait_for_workers_s = wait_for_workers_s
         self.local_prefill_fallback = local_prefill_fallback
+        self.decode_stall_timeout_s = decode_stall_timeout_s
         self._block_size_set = False
-        # base-class state used by stats(), _release() / _release_soon() and close()
+        # base-class state used by stats() and _release() / _release_soon()
         self.counters: Counter[str] = Counter()
         self.streams_open = 0
         self._background: set[asyncio.Task] = set()
@@ -123,8 +130,12 @@ class RoutedBackend(DisaggregatedBackend):
             self.streams_open -= 1
 
     def _retryable(self, exc: grpc.aio.AioRpcError, deadline: float | None) -> bool:
+        return self._retryable_code(exc.code(), deadline)
+
+    @staticmethod
+    def _retryable_code(code: grpc.StatusCode, deadline: float | None) -> bool:
         left = time_left(deadline)
-        return exc.code() in RETRYABLE and (left is None or left > 0)
+        return code in RETRYABLE and (left is None or left > 0)
 
     async def _generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, deadline: float | None
@@ -186,7 +197,7 @@ class RoutedBackend(DisaggregatedBackend):
                 d.inflight_requests += 1
                 call = d.stub.Decode(req, timeout=hop_timeout(deadline))
                 try:
-                    async for msg in call:
+                    async for msg in stall_guard(call, self.decode_stall_timeout_s, f"decode worker {decode.address}"):
                         if not started and msg.kv_recomputed and not local:
                             # the decode worker could not pull the KV and recomputed it: free it on the prefill worker
                             self.counters["kv_recomputed"] += 1
@@ -204,19 +215,25 @@ class RoutedBackend(DisaggregatedBackend):
                             await asyncio.wait([asyncio.ensure_future(call.code())], timeout=1.0)
                         yield TokenEvent(list(msg.token_ids), finish, msg.cached_tokens)
                     return
-                except grpc.aio.AioRpcError as exc:
-                    if started or not self._retryable(exc, deadline):
-                        raise error_from_rpc(exc, f"decode worker {decode.address}") from exc
-                    if exc.code() in _DOWN:
-                        self.registry.mark_failed(decode, exc.code().name)
+                except (grpc.aio.AioRpcError, StreamStalled) as exc:
+                    if isinstance(exc, StreamStalled):  # silent for too long: as if the worker were unreachable
+                        code, reason, err = grpc.StatusCode.UNAVAILABLE, "STALLED", exc
+                        self.counters["decode_stalls"] += 1
+                    else:
+                        code, reason = exc.code(), exc.code().name
+                        err = error_from_rpc(exc, f"decode worker {decode.address}")
+                    if code in _DOWN:  # unreachable, hung, stalled or draining: out of rotation, even mid-stream
+                        self.registry.mark_failed(decode, reason)
+                    if started or not self._retryable_code(code, deadline):
+                        raise err from (exc if err is not exc else None)
                     decode_tried.add(decode.address)
                     nxt = self._pick(DECODE, prompt, decode_tried) if len(decode_tried) < self.decode_attempts else None
                     if nxt is None:
-                        raise error_from_rpc(exc, f"decode worker {decode.address}") from exc
+                        raise err from (exc if err is not exc else None)
                     ROUTER_FAILOVERS.labels(DECODE).inc()
                     self.counters["decode_retries"] += 1
                     logger.warning("request %s: decode worker %s failed before streaming (%s); trying %s", request_id,
-                                   decode.address, exc.code().name, nxt.address)
+                                   decode.address, reason, nxt.address)
                     decode = nxt
                 finally:
                     d.inflight_requests -= 1

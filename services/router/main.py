@@ -11,9 +11,12 @@ from pd.v1 import router_pb2, router_pb2_grpc
 from splitserve.services.router.routing import build_backend, workers_route
 from splitserve.services.router.config import RouterConfig, parse
 from splitserve.services.router.grpc_api import RouterServicer
+from splitserve.frontend.draining import DrainMiddleware
 from splitserve.frontend.http_app import build_app
 from splitserve.logs import setup_logging
-from splitserve.rpc.server import bind, create_server, set_serving, stop_event_on_signals
+from splitserve.rpc import keepalive
+from splitserve.rpc.server import bind, create_server, set_serving
+from splitserve.rpc.shutdown import Drain, serve_until_signalled
 from splitserve.served_model import load_served_model
 from splitserve.telemetry.asgi import instrument_app, metrics_route
 from splitserve.telemetry.interceptors import untraced
@@ -24,19 +27,23 @@ SERVICE = router_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name
 
 
 async def serve(config: RouterConfig) -> None:
+    keepalive.configure(config.keepalive)
     served = load_served_model(config.model, config.served_model_name)
     backend = build_backend(config)  # registry + policy + conditional disaggregation + failover (+ deadlines)
     backend.start()
-    server, health = create_server(api_key=config.api_key, protected_services=[SERVICE])
+    drain = Drain()  # graceful shutdown: counts Generate calls and HTTP requests, refuses new ones once draining
+    server, health = create_server(api_key=config.api_key, protected_services=[SERVICE], drain=drain,
+                                   work_methods=[f"/{SERVICE}/Generate"])
     router_pb2_grpc.add_RouterServiceServicer_to_server(RouterServicer(backend, served.tokenizer, served.max_model_len, served.name), server)
     grpc_port = bind(server, config.host, config.grpc_port, config.tls)
     await server.start()
-    app = instrument_app(build_app(  # /metrics; HTTP spans if tracing
+    app = DrainMiddleware(instrument_app(build_app(  # /metrics; HTTP spans if tracing
         served, backend, extra_routes=[metrics_route("frontend", "router"), workers_route(backend)],
         api_key=config.api_key, request_timeout_s=config.request_timeout_s,
-    ))
-    http = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.http_port, log_level="warning", lifespan="off"))
-    http.install_signal_handlers = lambda: None  # signals are ours (stop_event_on_signals)
+    )), drain)
+    http = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.http_port, log_level="warning", lifespan="off",
+                                         timeout_graceful_shutdown=1))  # after our drain: what is left is cancelled
+    http.install_signal_handlers = lambda: None  # signals are ours (serve_until_signalled)
     http_task = asyncio.create_task(http.serve())
     while not http.started and not http_task.done():
         await asyncio.sleep(0.05)
@@ -51,16 +58,15 @@ async def serve(config: RouterConfig) -> None:
         config.host, config.http_port, config.host, grpc_port, " (tls)" if config.tls.enabled else "", served.name,
         ",".join(config.prefill), ",".join(config.decode), ", API key required" if config.api_key else "",
     )
-    stop = stop_event_on_signals()
-    try:
-        await stop.wait()
+    try:  # SIGTERM: /health and the gRPC health go 503 / NOT_SERVING, new requests are refused, in-flight ones finish
+        await serve_until_signalled(server, health, [SERVICE], drain, grace_s=config.shutdown_grace_s, name="router")
     finally:
-        logger.info("router stopping")
         layout_check.cancel()
         http.should_exit = True
-        await server.stop(grace=2)
+        await server.stop(grace=0)
         await http_task
         await backend.close()
+        logger.info("router stopped")
 
 
 def main(argv: list[str] | None = None) -> None:

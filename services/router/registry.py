@@ -7,10 +7,11 @@ static lists from configuration are the registry's only input, so they keep work
 and a poll that fails *is* a missed heartbeat, measured by the one process that acts on it (no clock
 skew, no stale reports from a worker that can still send but not serve).
 
-A worker is taken out of rotation after ``miss_limit`` consecutive failed polls, or at once when a
-request to it fails with UNAVAILABLE (passive check: ``mark_failed``); it comes back on the first
-successful poll. Between polls the router also counts what it has itself sent to each worker
-(``inflight_requests``, ``inflight_prefill_tokens``), so load-aware policies see bursts at once.
+A worker is taken out of rotation after ``miss_limit`` consecutive failed polls, at once when it says
+NOT_SERVING (it is draining for a shutdown), or at once when a request to it fails with UNAVAILABLE or
+stalls (passive check: ``mark_failed``); it comes back on the first successful poll. Between polls the
+router also counts what it has itself sent to each worker (``inflight_requests``,
+``inflight_prefill_tokens``), so load-aware policies see bursts at once.
 """
 
 from __future__ import annotations
@@ -87,6 +88,10 @@ class WorkerState:
         }
 
 
+class _NotServing(RuntimeError):
+    """The worker answered its health check with a status other than SERVING (e.g. draining)."""
+
+
 class WorkerRegistry:
     """Prefill and decode workers from static address lists, kept up to date by a poll loop.
 
@@ -135,14 +140,14 @@ class WorkerRegistry:
         try:
             r = await health_pb2_grpc.HealthStub(w.channel).Check(health_pb2.HealthCheckRequest(), timeout=self.poll_timeout_s)
             if r.status != health_pb2.HealthCheckResponse.SERVING:
-                raise RuntimeError(f"health status {health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)}")
+                raise _NotServing(f"health status {health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)}")
             stats = await w.stub.GetStats(common_pb2.GetStatsRequest(), timeout=self.poll_timeout_s)
             if w.layout is None:
                 w.layout = layout_from_proto((await w.stub.GetKVLayout(common_pb2.GetKVLayoutRequest(), timeout=self.poll_timeout_s)).layout)
         except (grpc.aio.AioRpcError, RuntimeError) as exc:
             w.misses += 1
             w.last_error = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
-            if w.misses >= self.miss_limit or not w.up:
+            if w.misses >= self.miss_limit or not w.up or isinstance(exc, _NotServing):  # NOT_SERVING: no new work
                 self._set(w, False, w.last_error)
             return False
         w.stats = dict(stats.counters)

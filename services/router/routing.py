@@ -19,7 +19,8 @@ def build_backend(config: RouterConfig) -> RoutedBackend:
                               miss_limit=config.miss_limit, tls=config.tls)
     return RoutedBackend(registry, make_policy(config.policy), DisaggregationPolicy(config.disagg),
                          prefill_timeout_s=config.prefill_timeout_s, prefill_attempts=config.prefill_attempts,
-                         decode_attempts=config.decode_attempts, local_prefill_fallback=config.local_prefill_fallback)
+                         decode_attempts=config.decode_attempts, local_prefill_fallback=config.local_prefill_fallback,
+                         decode_stall_timeout_s=config.decode_stall_timeout_s)
 
 
 def workers_route(backend: RoutedBackend, path: str = "/v1/workers") -> Route:

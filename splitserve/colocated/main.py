@@ -16,10 +16,14 @@ from splitserve.engine.args import add_engine_args, engine_config
 from splitserve.services.router.grpc_api import RouterServicer
 from splitserve.colocated.backend import LocalBackend
 from splitserve.engine.async_engine import AsyncEngine, set_torch_threads
+from splitserve.frontend.draining import DrainMiddleware
 from splitserve.frontend.http_app import build_app
 from splitserve.logs import setup_logging
 from splitserve.model import load_model
-from splitserve.rpc.server import bind, create_server, set_serving, stop_event_on_signals
+from splitserve.rpc import keepalive
+from splitserve.rpc.keepalive import add_keepalive_args, keepalive_config
+from splitserve.rpc.server import bind, create_server, set_serving
+from splitserve.rpc.shutdown import Drain, add_shutdown_args, check_grace, serve_until_signalled
 from splitserve.rpc.tls import add_tls_args, tls_config
 from splitserve.served_model import ServedModel
 from splitserve.telemetry.asgi import instrument_app, metrics_route
@@ -30,6 +34,7 @@ logger = logging.getLogger("splitserve.colocated")
 
 
 async def serve(args: argparse.Namespace) -> None:
+    keepalive.configure(keepalive_config(args))
     set_torch_threads(args.torch_threads)
     lm = load_model(args.model)
     engine = AsyncEngine(lm, engine_config(args))
@@ -37,23 +42,28 @@ async def serve(args: argparse.Namespace) -> None:
     backend = LocalBackend(engine)
     served = ServedModel(args.served_model_name or Path(args.model).name.removesuffix(".gguf"), lm.tokenizer, lm.max_model_len)
     api_key = args.api_key or None
-    server, health = create_server(api_key=api_key, protected_services=["pd.v1.RouterService"])
+    drain = Drain()  # graceful shutdown (as the router's)
+    server, health = create_server(api_key=api_key, protected_services=["pd.v1.RouterService"], drain=drain,
+                                   work_methods=["/pd.v1.RouterService/Generate"])
     router_pb2_grpc.add_RouterServiceServicer_to_server(RouterServicer(backend, lm.tokenizer, lm.max_model_len, served.name), server)
     grpc_port = bind(server, args.host, args.grpc_port, tls_config(args))
     register_engine(engine)
     await server.start()
-    app = instrument_app(build_app(served, backend, api_key=api_key, extra_routes=[metrics_route()]))
-    http = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.http_port, log_level="warning", lifespan="off"))
+    app = DrainMiddleware(instrument_app(build_app(served, backend, api_key=api_key, extra_routes=[metrics_route()])), drain)
+    http = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.http_port, log_level="warning", lifespan="off",
+                                         timeout_graceful_shutdown=1))
     http.install_signal_handlers = lambda: None
     http_task = asyncio.create_task(http.serve())
     await set_serving(health, ["pd.v1.RouterService"])
     logger.info("colocated server ready: http http://%s:%d/v1, grpc %s:%d, model %s", args.host, args.http_port, args.host, grpc_port, lm.model_id)
-    stop = stop_event_on_signals()
+    serving = asyncio.create_task(serve_until_signalled(server, health, ["pd.v1.RouterService"], drain,
+                                                        grace_s=args.shutdown_grace_s, name="colocated server"))
     try:
-        await asyncio.wait([asyncio.create_task(stop.wait()), http_task], return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait([serving, http_task], return_when=asyncio.FIRST_COMPLETED)
     finally:
+        serving.cancel()
         http.should_exit = True
-        await server.stop(grace=2)
+        await server.stop(grace=0)
         await http_task
         await engine.stop()
 
@@ -69,9 +79,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--grpc-port", type=int, default=int(env("PD_GRPC_PORT", "50050")))
     ap.add_argument("--api-key", default=env("PD_API_KEY"), help="require Authorization: Bearer <key> (prefer PD_API_KEY)")
     add_tls_args(ap)
+    add_keepalive_args(ap)
+    add_shutdown_args(ap)
     args = ap.parse_args(argv)
     engine_config(args)  # the frozen configs validate themselves (ValueError)
     tls_config(args)
+    keepalive_config(args)
+    check_grace(args.shutdown_grace_s)
     check_port("--http-port", args.http_port)
     check_port("--grpc-port", args.grpc_port)
     return args

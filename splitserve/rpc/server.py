@@ -11,7 +11,9 @@ from typing import Sequence
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from splitserve.rpc import keepalive
 from splitserve.rpc.interceptors import ApiKeyInterceptor, StrictDecodeInterceptor
+from splitserve.rpc.shutdown import Drain, DrainInterceptor
 from splitserve.rpc.tls import TlsConfig
 from splitserve.telemetry.interceptors import client_interceptors, server_interceptors
 
@@ -44,22 +46,14 @@ GRPC_OPTIONS = _limits()
 
 
 def server_options() -> list[tuple[str, int]]:
-    return [
-        *_limits(),
-        # Ping clients of idle streams: a peer that vanished without closing its socket is detected in
-        # ~40 s and its streaming handlers are cancelled (they never block forever).
-        ("grpc.keepalive_time_ms", 30_000),
-        ("grpc.keepalive_timeout_ms", 10_000),
-        ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),  # accept our clients' pings
-    ]
+    # keepalive: clients of hung or vanished peers are detected and their handlers cancelled (splitserve.rpc.keepalive)
+    return [*_limits(), *keepalive.current().server_options()]
 
 
 def channel_options() -> list[tuple[str, int]]:
     return [
         *_limits(),
-        ("grpc.keepalive_time_ms", 30_000),
-        ("grpc.keepalive_timeout_ms", 10_000),
-        ("grpc.http2.max_pings_without_data", 0),
+        *keepalive.current().channel_options(),  # a hung peer fails the calls on it (splitserve.rpc.keepalive)
         # A restarted worker is used again within seconds (gRPC's default backoff grows to 2 minutes).
         ("grpc.initial_reconnect_backoff_ms", 500),
         ("grpc.max_reconnect_backoff_ms", 5_000),
@@ -67,12 +61,17 @@ def channel_options() -> list[tuple[str, int]]:
 
 
 def create_server(
-    *, api_key: str | None = None, protected_services: Sequence[str] = ()
+    *, api_key: str | None = None, protected_services: Sequence[str] = (), drain: Drain | None = None,
+    work_methods: Sequence[str] = (),
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
-    """An aio server with a health service, message size limits, requests that fail to parse refused
+    """An aio server with a health service, message size limits, keepalive, requests that fail to parse refused
     with INVALID_ARGUMENT, and (with ``api_key``) ``authorization: Bearer <key>`` required on the methods
-    of ``protected_services`` (full names, e.g. ``pd.v1.RouterService``)."""
+    of ``protected_services`` (full names, e.g. ``pd.v1.RouterService``). With ``drain``, calls of
+    ``work_methods`` (full paths, e.g. ``/pd.v1.DecodeService/Decode``) are counted and refused once it drains
+    (graceful shutdown: :mod:`splitserve.rpc.shutdown`)."""
     interceptors: list[grpc.aio.ServerInterceptor] = [*server_interceptors()]  # tracing, if set up
+    if drain is not None:
+        interceptors.append(DrainInterceptor(drain, work_methods))
     if api_key:
         interceptors.append(ApiKeyInterceptor(api_key, protected_services))
     interceptors.append(StrictDecodeInterceptor())

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from splitserve.rpc.tls import TlsConfig, add_tls_args, tls_config
 from splitserve.config_checks import check_port
 from splitserve.telemetry.exposition import check_metrics_port
+from splitserve.rpc.keepalive import KeepaliveConfig, add_keepalive_args, keepalive_config
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +46,7 @@ class MasterConfig:
     max_batch: int = 65536
     metrics_port: int = 0  # HTTP GET /metrics (Prometheus); 0 = any free port, -1 = off
     tls: TlsConfig = TlsConfig()
+    keepalive: KeepaliveConfig = KeepaliveConfig()  # gRPC PINGs: hung peers detected
 
     def __post_init__(self) -> None:
         check_port("--port", self.port)
@@ -78,9 +80,11 @@ def parse(argv: list[str] | None = None) -> MasterConfig:
     ap.add_argument("--evict-low", type=float, default=float(env("PD_KVSTORE_EVICT_LOW", str(d.evict_low))))
     ap.add_argument("--metrics-port", type=int, default=int(env("PD_METRICS_PORT", "0")), help="HTTP /metrics port; 0 = any free, -1 = off")
     add_tls_args(ap)
+    add_keepalive_args(ap)
     a = ap.parse_args(argv)
     return MasterConfig(
         host=a.host, port=a.port, default_replicas=a.replicas, lease_s=a.lease_s, put_timeout_s=a.put_timeout_s,
         heartbeat_interval_s=a.heartbeat_interval_s, heartbeat_timeout_s=a.heartbeat_timeout_s,
         evict_high=a.evict_high, evict_low=a.evict_low, metrics_port=a.metrics_port, tls=tls_config(a),
+        keepalive=keepalive_config(a),
     )

@@ -8,6 +8,7 @@ import logging
 from pd.v1 import kvstore_pb2, kvstore_pb2_grpc
 
 from splitserve.logs import setup_logging
+from splitserve.rpc import keepalive
 from splitserve.rpc.server import bind, create_server, set_serving, stop_event_on_signals
 from splitserve.services.kvstore.master.config import MasterConfig, parse
 from splitserve.services.kvstore.master.core import KVStoreMaster
@@ -22,6 +23,7 @@ SERVICE = kvstore_pb2.DESCRIPTOR.services_by_name["KVStoreMasterService"].full_n
 
 
 async def serve(config: MasterConfig) -> None:
+    keepalive.configure(config.keepalive)
     master = KVStoreMaster(config)
     servicer = KVStoreMasterServicer(master)
     register_stats("kv_store", master.stats, _MASTER_GAUGES, doc="KV store master")

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from splitserve.rpc.tls import TlsConfig, add_tls_args, tls_config
 from splitserve.config_checks import check_port
 from splitserve.telemetry.exposition import check_metrics_port
+from splitserve.rpc.keepalive import KeepaliveConfig, add_keepalive_args, keepalive_config
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +38,7 @@ class NodeConfig:
     rpc_timeout_s: float = 5.0
     metrics_port: int = 0  # HTTP GET /metrics (Prometheus); 0 = any free port, -1 = off
     tls: TlsConfig = TlsConfig()
+    keepalive: KeepaliveConfig = KeepaliveConfig()  # gRPC PINGs: hung peers detected
 
     def __post_init__(self) -> None:
         if not self.master or not self.node_id:
@@ -63,7 +65,8 @@ def parse(argv: list[str] | None = None) -> NodeConfig:
     ap.add_argument("--io-timeout-s", type=float, default=float(env("PD_KVSTORE_NODE_IO_TIMEOUT_S", "30")))
     ap.add_argument("--metrics-port", type=int, default=int(env("PD_METRICS_PORT", "0")), help="HTTP /metrics port; 0 = any free, -1 = off")
     add_tls_args(ap)
+    add_keepalive_args(ap)
     a = ap.parse_args(argv)
     return NodeConfig(master=a.master, node_id=a.node_id, segment_mb=a.segment_mb, host=a.host, port=a.port,
                       data_host=a.data_host, data_port=a.data_port, io_timeout_s=a.io_timeout_s, metrics_port=a.metrics_port,
-                      tls=tls_config(a))
+                      tls=tls_config(a), keepalive=keepalive_config(a))

@@ -8,6 +8,7 @@ import logging
 from pd.v1 import kvstore_pb2, kvstore_pb2_grpc
 
 from splitserve.logs import setup_logging
+from splitserve.rpc import keepalive
 from splitserve.rpc.server import bind, channel as grpc_channel, create_server, set_serving, stop_event_on_signals
 from splitserve.services.kvstore.node.config import NodeConfig, parse
 from splitserve.services.kvstore.node.segment_server import SegmentServer
@@ -21,6 +22,7 @@ async def serve(config: NodeConfig) -> None:
     from splitserve.telemetry.exposition import start_metrics_server  # noqa: PLC0415
     from splitserve.telemetry.stats_collector import register_stats  # noqa: PLC0415
 
+    keepalive.configure(config.keepalive)
     segment = SegmentServer(config.segment_mb * 2**20, host=config.data_host, port=config.data_port, io_timeout_s=config.io_timeout_s)
     await segment.start()
     channel = grpc_channel(config.master, config.tls)  # TLS (client certificate) when configured

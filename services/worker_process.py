@@ -1,0 +1,83 @@
+"""What a prefill or decode worker process does around its servicer, in one place: keepalive settings, torch
+threads, model and engine; the gRPC server (health, keepalive, draining) and ``/metrics``; readiness; and the
+graceful shutdown (:mod:`splitserve.rpc.shutdown`: NOT_SERVING at once, new work refused with UNAVAILABLE,
+in-flight calls finish within ``config.shutdown_grace_s``, then everything is closed in order).
+
+``config`` is a worker config (:class:`~splitserve.services.prefill.config.PrefillConfig` or
+:class:`~splitserve.services.decode.config.DecodeConfig`): ``model``, ``torch_threads``, ``engine``, ``host``,
+``port``, ``tls``, ``metrics_port``, ``keepalive``, ``shutdown_grace_s``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import grpc
+from grpc_health.v1 import health
+
+from splitserve.engine.async_engine import AsyncEngine, set_torch_threads
+from splitserve.engine.faults import apply_engine_faults
+from splitserve.model import load_model
+from splitserve.rpc import keepalive
+from splitserve.rpc.server import bind, create_server, set_serving
+from splitserve.rpc.shutdown import Drain, serve_until_signalled
+from splitserve.telemetry.exposition import MetricsServer, start_worker_metrics
+
+logger = logging.getLogger(__name__)
+
+
+async def start_engine(config: Any) -> tuple[Any, AsyncEngine]:
+    """Apply the process settings, load the model and start the engine thread. Returns (model, engine)."""
+    keepalive.configure(config.keepalive)
+    set_torch_threads(config.torch_threads)
+    lm = load_model(config.model)
+    engine = AsyncEngine(lm, config.engine)
+    apply_engine_faults(engine)  # tests only (PD_FAULT_STEP_DELAY_MS)
+    await engine.start()
+    return lm, engine
+
+
+@dataclass
+class WorkerServer:
+    """A started worker gRPC server with its health service, drain state and ``/metrics`` endpoint."""
+
+    role: str  # "prefill" | "decode"
+    service: str  # full gRPC service name, e.g. "pd.v1.DecodeService"
+    server: grpc.aio.Server
+    health: health.aio.HealthServicer
+    drain: Drain
+    port: int  # bound gRPC port
+    metrics: MetricsServer | None
+
+    @classmethod
+    async def start(cls, role: str, service: str, work_method: str, add_servicer: Callable, servicer: object,
+                    engine: AsyncEngine, config: Any, gauges: dict | None = None) -> "WorkerServer":
+        """Serve ``servicer`` (``add_servicer(servicer, server)``) on ``config.host:config.port``; calls of
+        ``work_method`` (e.g. ``"Decode"``) are the ones a shutdown drains."""
+        drain = Drain()
+        server, health_servicer = create_server(drain=drain, work_methods=[f"/{service}/{work_method}"])
+        add_servicer(servicer, server)
+        port = bind(server, config.host, config.port, config.tls)
+        await server.start()
+        metrics = start_worker_metrics(role, engine, config.host, config.metrics_port, gauges=gauges)
+        return cls(role, service, server, health_servicer, drain, port, metrics)
+
+    async def serve(self, config: Any, *, busy: Callable[[], bool] | None = None, closers: list[Callable] = ()) -> None:
+        """SERVING until SIGTERM/SIGINT, then drain (waiting also while ``busy()``), stop, and call ``closers``
+        (sync or async) in order; a closer that fails is logged and the next ones still run."""
+        await set_serving(self.health, [self.service])
+        try:
+            await serve_until_signalled(self.server, self.health, [self.service], self.drain,
+                                        grace_s=config.shutdown_grace_s, name=f"{self.role} worker", busy=busy)
+        finally:
+            for close in [*([self.metrics.close] if self.metrics else []), *closers]:
+                try:
+                    result = close()
+                    if inspect.isawaitable(result):
+                        await result
+                except Exception:
+                    logger.exception("%s worker: closing %r failed", self.role, close)
+            logger.info("%s worker stopped", self.role)
