@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import os
 from pathlib import Path
@@ -54,6 +55,8 @@ async def serve(args: argparse.Namespace) -> None:
                                          timeout_graceful_shutdown=1))
     http.install_signal_handlers = lambda: None
     http_task = asyncio.create_task(http.serve())
+    gc.collect()  # start-up objects to the permanent generation: full collections stop walking them (gc.freeze)
+    gc.freeze()
     await set_serving(health, ["pd.v1.RouterService"])
     logger.info("colocated server ready: http http://%s:%d/v1, grpc %s:%d, model %s", args.host, args.http_port, args.host, grpc_port, lm.model_id)
     serving = asyncio.create_task(serve_until_signalled(server, health, ["pd.v1.RouterService"], drain,
