@@ -289,6 +289,30 @@ async def test_cancel_leaves_no_posted_receive(peer, receiver):
 
 
 @real_ucx
+async def test_connect_to_hung_peer_times_out_leaving_nothing_posted(receiver):
+    """ucxx.create_endpoint left its handshake receive posted into a freed buffer when the peer was hung:
+    the peer's late answer then corrupted the heap. Ours cancels it and waits for UCX before giving up."""
+    from splitserve.transfer import ucx_connect
+
+    r, pool = receiver
+    victim = start_peer(salt=6)
+    try:
+        victim.pause()
+        t0 = time.monotonic()
+        with pytest.raises(KVTransferError):
+            await r.fetch(victim.endpoint, "hung", [0], [0], 0.5)
+        assert time.monotonic() - t0 < 0.5 + 2.5  # the handshake's deadline, then closing the endpoint
+        assert not [o for o in ucx_connect._orphans if o[0] == victim.endpoint]  # noqa: SLF001 - closing cancelled it
+        victim.resume()
+        await asyncio.sleep(0.5)  # the peer now answers the abandoned handshake
+        victim.register("after-hang", [4])
+        await r.fetch(victim.endpoint, "after-hang", [4], [0], 10.0)
+        assert_blocks(pool, [4], [0], salt=6)
+    finally:
+        victim.kill()
+
+
+@real_ucx
 async def test_peer_killed_mid_fetch(receiver):
     r, pool = receiver
     victim = start_peer(salt=5)

@@ -21,9 +21,10 @@ import numpy as np
 
 from splitserve.errors import StoreIOError
 from splitserve.kvstore import wire
-from splitserve.kvstore.ucx_common import abort_endpoint, consume, resolve, ucxx
+from splitserve.kvstore.ucx_common import abort_endpoint, consume
 from splitserve.transfer import ucx_runtime
 from splitserve.transfer.common import parse_endpoint
+from splitserve.transfer.ucx_connect import create_endpoint
 
 logger = logging.getLogger("splitserve.kvstore.client")
 
@@ -220,8 +221,7 @@ class StoreDataClient:
             raise StoreIOError(f"cannot connect to storage node {key}: {exc!r}") from exc
 
     async def _connect(self, key: str, host: str, port: int, timeout_s: float):
-        ip = await resolve(host, port)
-        ep = await ucxx().create_endpoint(ip, port, endpoint_error_handling=True, connect_timeout=timeout_s)
+        ep = await create_endpoint(host, port, timeout_s)
         if self._closed:
             abort_endpoint(ep)
             raise StoreIOError("store data client closed")

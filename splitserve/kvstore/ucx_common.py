@@ -7,10 +7,7 @@ start and ``release`` on close.
 
 from __future__ import annotations
 
-import asyncio
-import ipaddress
 import logging
-import socket
 
 logger = logging.getLogger("splitserve.kvstore.ucx")
 
@@ -34,13 +31,3 @@ def consume(tasks) -> None:
     for t in tasks:
         if t.done() and not t.cancelled():
             t.exception()
-
-
-async def resolve(host: str, port: int) -> str:
-    """An IP address for ``host`` (UCX connects to addresses, not names)."""
-    try:
-        ipaddress.ip_address(host)
-        return host
-    except ValueError:
-        infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        return infos[0][4][0]

@@ -59,10 +59,8 @@ that loop.
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import itertools
 import logging
-import socket
 
 import numpy as np
 import torch
@@ -85,6 +83,7 @@ from splitserve.transfer.common import (
     segments_checksum,
 )
 from splitserve.transfer.layout import KVLayout
+from splitserve.transfer.ucx_connect import create_endpoint
 from splitserve.telemetry.propagation import current_trace_context
 from splitserve.telemetry.transfer import start_send
 
@@ -487,14 +486,7 @@ class UcxKVReceiver(KVReceiver):
             _abort_endpoint(ep)
 
     async def _connect(self, key: str, host: str, port: int, connect_timeout: float):
-        loop = asyncio.get_running_loop()
-        try:
-            ipaddress.ip_address(host)
-            ip = host
-        except ValueError:
-            infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-            ip = infos[0][4][0]
-        ep = await _ucxx().create_endpoint(ip, port, endpoint_error_handling=True, connect_timeout=connect_timeout)
+        ep = await create_endpoint(host, port, connect_timeout)
         if self._closed:
             _abort_endpoint(ep)
             raise KVTransferError("receiver closed")
