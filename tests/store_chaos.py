@@ -10,6 +10,7 @@ import signal
 import time
 
 import grpc
+import pytest
 from pd.v1 import common_pb2, decode_pb2_grpc, kvstore_pb2_grpc, prefill_pb2_grpc
 
 from splitserve.client import RouterClient
@@ -195,6 +196,25 @@ class References:
 
     async def many(self, prompts: list[list[int]], max_tokens: int = 12) -> list[list[int]]:
         return [await self(p, max_tokens) for p in prompts]
+
+
+# Fixtures shared by the chaos test modules (import them by name; each module defines ``store``).
+
+
+@pytest.fixture
+def refs(colocated):
+    return References(colocated)
+
+
+@pytest.fixture(autouse=True)
+def no_leaks(store):
+    """After every test: every worker's KV pool at its baseline, nothing running, held or being written (a
+    write stuck on a hung node ends at its I/O timeout); then the nodes are restored."""
+    yield
+    try:
+        store.wait_idle(timeout_s=IO_TIMEOUT_S + 3.0)
+    finally:
+        store.restore()
 
 
 async def wait_until(what: str, predicate, timeout_s: float) -> None:

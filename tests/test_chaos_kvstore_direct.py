@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from tests.store_chaos import (B, HEARTBEAT_TIMEOUT_S, IO_TIMEOUT_S, References, StoreCluster, decoding_stream, token_pool,
-                               tokens, wait_until)
+from tests.store_chaos import (B, HEARTBEAT_TIMEOUT_S, IO_TIMEOUT_S, StoreCluster, decoding_stream, no_leaks, refs,  # noqa: F401
+                               token_pool, tokens, wait_until)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -29,20 +29,6 @@ def store():
 @pytest.fixture(scope="module")
 def pool():
     return token_pool()
-
-
-@pytest.fixture
-def refs(colocated):
-    return References(colocated)
-
-
-@pytest.fixture(autouse=True)
-def no_leaks(store):
-    yield
-    try:
-        store.wait_idle(timeout_s=IO_TIMEOUT_S + 3.0)  # a write stuck on a hung node ends at its I/O timeout
-    finally:
-        store.restore()
 
 
 async def warm(store: StoreCluster, prompt: list[int], reads: int = 0) -> None:

@@ -16,8 +16,8 @@ import grpc
 import pytest
 from pd.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
-from tests.store_chaos import (B, HEARTBEAT_TIMEOUT_S, IO_TIMEOUT_S, References, StoreCluster, decoding_stream, token_pool,
-                               tokens, wait_until)
+from tests.store_chaos import (B, HEARTBEAT_TIMEOUT_S, IO_TIMEOUT_S, StoreCluster, decoding_stream, no_leaks, refs,  # noqa: F401
+                               token_pool, tokens, wait_until)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -32,20 +32,6 @@ def store():
 @pytest.fixture(scope="module")
 def pool():
     return token_pool(seed=7)
-
-
-@pytest.fixture
-def refs(colocated):
-    return References(colocated)
-
-
-@pytest.fixture(autouse=True)
-def no_leaks(store):
-    yield
-    try:
-        store.wait_idle(timeout_s=IO_TIMEOUT_S + 3.0)
-    finally:
-        store.restore()
 
 
 class Legs:

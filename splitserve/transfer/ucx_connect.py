@@ -1,13 +1,17 @@
-"""Connect a ucxx endpoint to a listener, safely when the peer hangs.
+"""The ucxx connection handshake, done safely when the peer hangs (both sides).
 
-``ucxx.create_endpoint`` (0.52) exchanges a 16-byte "peer info" message with the listener after UCX
-connected: it posts a stream receive into a local ``bytearray`` and waits ``connect_timeout``. When that
-times out (the peer is hung: SIGSTOP, a stalled process) or is cancelled, it returns *with the receive
-still posted* and drops the buffer and the endpoint; once the peer wakes up and answers, UCX writes into
-freed memory (a heap corruption that crashed a prefill worker a moment later). :func:`create_endpoint`
-does the same exchange (wire compatible with ucxx listeners) but, on any failure, timeout or
-cancellation, first closes the endpoint -- UCX cancels what is posted on it and returns when done -- and
-keeps the buffers alive until the requests reported completion.
+After UCX connected, ucxx (0.52) exchanges a 16-byte "peer info" message (a tag and its hash) between
+the connecting side and the listener: each posts a stream receive into a local ``bytearray`` and waits
+``connect_timeout``. When that times out (the peer is hung: SIGSTOP, a stalled or hostile process) or is
+cancelled, ucxx returns *with the receive still posted* and drops the buffer and the endpoint; once the
+peer answers, UCX writes into freed memory (a heap corruption that crashed a prefill worker a moment
+later, after its store read from a hung storage node had timed out).
+
+:func:`create_endpoint` (connecting side) and :func:`accept_endpoint` (listener side) do the same
+exchange, wire compatible with ucxx, but on any failure, timeout or cancellation first close the
+endpoint -- UCX cancels what is posted on a connected endpoint and returns when done -- and keep the
+buffers of any request UCX still reports in progress (an endpoint that never connected, e.g. a dead
+port) instead of freeing them.
 """
 
 from __future__ import annotations
@@ -43,23 +47,38 @@ async def create_endpoint(host: str, port: int, timeout_s: float):
     way nothing stays posted. UCX must be initialised (``ucx_runtime.acquire``) on the running loop."""
     import ucxx._lib.libucxx as ucx_api  # noqa: PLC0415 - lazy: importing ucxx loads UCX
     from ucxx import core  # noqa: PLC0415
+
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    ip = await resolve(host, port)
+    ctx = core._get_ctx()  # noqa: SLF001 - what ucxx.create_endpoint uses
+    ctx.continuous_ucx_progress()
+    uep = ucx_api.UCXEndpoint.create(ctx.worker, ip, port, True)
+    return await _handshake(ctx, uep, f"{ip}:{port}", deadline, listener=False)
+
+
+async def accept_endpoint(uep, timeout_s: float):
+    """The ``ucxx`` Endpoint of a connection request a listener delivered (``uep``, a ``UCXEndpoint``), after
+    the handshake with the connecting side; raises like :func:`create_endpoint`."""
+    from ucxx import core  # noqa: PLC0415
+
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    return await _handshake(core._get_ctx(), uep, f"client {uep.handle:#x}", deadline, listener=True)  # noqa: SLF001
+
+
+async def _handshake(ctx, uep, peer: str, deadline: float, *, listener: bool):
     from ucxx._lib.arr import Array  # noqa: PLC0415
     from ucxx._lib_async.endpoint import Endpoint  # noqa: PLC0415
     from ucxx._lib_async.utils import hash64bits  # noqa: PLC0415
 
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    ip = await resolve(host, port)
-    ctx = core._get_ctx()  # noqa: SLF001 - what ucxx.create_endpoint uses
-    ctx.continuous_ucx_progress()
-    uep = ucx_api.UCXEndpoint.create(ctx.worker, ip, port, True)
     my_tag = hash64bits("msg_tag", os.urandom(16), uep.handle)
     mine = bytearray(_PEER_INFO.pack(my_tag, hash64bits(my_tag)))
     theirs = bytearray(_PEER_INFO.size)
     buffers = (mine, theirs, Array(mine), Array(theirs))
+    send, recv = (uep.stream_send, buffers[2]), (uep.stream_recv, buffers[3])
     requests: list = []
     try:
-        for post, arr in ((uep.stream_recv, buffers[3]), (uep.stream_send, buffers[2])):  # ucxx's order
+        for post, arr in ((send, recv) if listener else (recv, send)):  # ucxx's order on each side
             ctx.worker.populate_python_futures_pool()
             req = post(arr)
             requests.append(req)
@@ -67,17 +86,17 @@ async def create_endpoint(host: str, port: int, timeout_s: float):
                 raise RuntimeError("ucxx must run with Python futures (splitserve.transfer.ucx_runtime.acquire)")
             remaining = deadline - loop.time()
             if remaining <= 0:
-                raise TimeoutError(f"UCX handshake with {ip}:{port} timed out")
+                raise TimeoutError(f"UCX handshake with {peer} timed out")
             try:
                 await asyncio.wait_for(asyncio.shield(req.future), remaining)
             except asyncio.TimeoutError:
-                raise TimeoutError(f"UCX handshake with {ip}:{port} timed out") from None
+                raise TimeoutError(f"UCX handshake with {peer} timed out") from None
             req.check_error()
         peer_tag, checksum = _PEER_INFO.unpack(theirs)
         if checksum != hash64bits(peer_tag):
-            raise ConnectionError(f"UCX handshake with {ip}:{port}: bad peer info")
+            raise ConnectionError(f"UCX handshake with {peer}: bad peer info")
     except BaseException:
-        await _discard(f"{ip}:{port}", uep, requests, buffers)
+        await _discard(peer, uep, requests, buffers)
         raise
     return Endpoint(endpoint=uep, ctx=ctx, tags={"msg_send": peer_tag, "msg_recv": my_tag})
 
