@@ -193,7 +193,8 @@ class KVStoreClient:
             for i in todo:
                 replica = self._next_replica(locations[i], attempt, i)
                 if replica is None:
-                    results[i] = results[i] or StoreIOError(f"every replica of {locations[i].key} is on a storage node that failed recently")
+                    results[i] = results[i] or StoreIOError(
+                        f"every replica of {locations[i].key} is on a storage node that failed recently")
                 else:
                     by_node.setdefault(replica.endpoint, []).append(i)
             remaining = self.io_timeout_s if deadline is None else min(self.io_timeout_s, deadline - loop.time())
@@ -203,8 +204,8 @@ class KVStoreClient:
                         results[i] = StoreIOError(f"no time left to read {locations[i].key}")
                 break
             outcomes = await asyncio.gather(
-                *(self._timed(self.data.read(ep, [(locations[i].replicas[attempt[i]].offset, dsts[i]) for i in idx], remaining))
-                  for ep, idx in by_node.items()),
+                *(self._timed(self.data.read(ep, [(locations[i].replicas[attempt[i]].offset, dsts[i]) for i in idx],
+                                             remaining)) for ep, idx in by_node.items()),
                 return_exceptions=True,
             )
             todo = []

@@ -106,7 +106,8 @@ class SegmentServer:
         if status is wire.Status.OK:
             posted = Posted(ep)
             for i, (offset, nbytes) in enumerate(req.ranges):
-                posted.recv(self.segment[offset : offset + nbytes], connection_tag(ep, wire.tag(req.req_id, 1 + i), outgoing=False))
+                tag = connection_tag(ep, wire.tag(req.req_id, 1 + i), outgoing=False)
+                posted.recv(self.segment[offset : offset + nbytes], tag)
             if not await self._settle(ep, posted):
                 self.stats.failed += 1
                 return  # the endpoint is aborted: the client sees the connection fail
