@@ -160,7 +160,7 @@ async def test_concurrent_fetches_share_one_endpoint(peer, receiver):
     assert sizes == [4 * LAYOUT.block_nbytes] * 8
     for _tid, s, d in jobs:
         assert_blocks(pool, s, d)
-    assert list(r._peers) == [peer.endpoint]  # noqa: SLF001 - one cached endpoint per peer
+    assert list(r._endpoints.peers) == [peer.endpoint]  # noqa: SLF001 - one cached endpoint per peer
 
 
 @real_ucx
@@ -289,6 +289,30 @@ async def test_cancel_leaves_no_posted_receive(peer, receiver):
 
 
 @real_ucx
+async def test_connect_to_hung_peer_times_out_leaving_nothing_posted(receiver):
+    """ucxx.create_endpoint left its handshake receive posted into a freed buffer when the peer was hung:
+    the peer's late answer then corrupted the heap. Ours cancels it and waits for UCX before giving up."""
+    from splitserve.transfer import ucx_connect
+
+    r, pool = receiver
+    victim = start_peer(salt=6)
+    try:
+        victim.pause()
+        t0 = time.monotonic()
+        with pytest.raises(KVTransferError):
+            await r.fetch(victim.endpoint, "hung", [0], [0], 0.5)
+        assert time.monotonic() - t0 < 0.5 + 2.5  # the handshake's deadline, then closing the endpoint
+        assert not [o for o in ucx_connect._orphans if o[0] == victim.endpoint]  # noqa: SLF001 - closing cancelled it
+        victim.resume()
+        await asyncio.sleep(0.5)  # the peer now answers the abandoned handshake
+        victim.register("after-hang", [4])
+        await r.fetch(victim.endpoint, "after-hang", [4], [0], 10.0)
+        assert_blocks(pool, [4], [0], salt=6)
+    finally:
+        victim.kill()
+
+
+@real_ucx
 async def test_peer_killed_mid_fetch(receiver):
     r, pool = receiver
     victim = start_peer(salt=5)
@@ -348,6 +372,40 @@ async def test_sender_in_same_process():
         await sender.close()
         assert time.monotonic() - t0 < 2.0
     assert sorted(done) == [("left", False), ("local", True)]
+
+
+@real_ucx
+async def test_listener_survives_a_client_that_hangs_mid_handshake():
+    """A client that connects but never completes the handshake (hung, or hostile) costs the listener one
+    failed handshake after its timeout -- its receive is cancelled, not left posted -- and nothing else."""
+    import ucxx._lib.libucxx as ucx_api
+    from ucxx import core
+
+    from splitserve.transfer import ucx_connect
+    from splitserve.transfer.ucx_listener import UcxServer
+
+    got = []
+    server = UcxServer(lambda ep, msg: got.append(bytes(msg)) or True, name="test", handshake_timeout_s=0.3)
+    await server.start()
+    try:
+        stalled = ucx_api.UCXEndpoint.create(core._get_ctx().worker, "127.0.0.1", server.port, True)  # noqa: SLF001
+        t0 = time.monotonic()
+        while server.handshakes_failed == 0:
+            assert time.monotonic() - t0 < 3.0, "the listener never gave up on the stalled handshake"
+            await asyncio.sleep(0.05)
+        assert not [o for o in ucx_connect._orphans if o[0].startswith("client")]  # noqa: SLF001
+        stalled.close_blocking(period=10**9, max_attempts=1)
+        ep = await ucx_connect.create_endpoint("127.0.0.1", server.port, 5.0)  # others connect as usual
+        await ep.am_send(b"hello")
+        while not got:
+            assert time.monotonic() - t0 < 5.0
+            await asyncio.sleep(0.01)
+        assert got == [b"hello"] and server.handshakes_failed == 1
+        ep.abort()
+    finally:
+        t1 = time.monotonic()
+        await server.close()
+        assert time.monotonic() - t1 < 2.0
 
 
 @real_ucx

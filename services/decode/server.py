@@ -119,7 +119,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         try:
             computed = None
             if handle.via_store:  # store transfer mode: read from the KV store, recompute what is missing
-                computed = await self.store.load_prompt(handle, prompt, block_ids) if self.store is not None else 0
+                computed = await self.store.load_prompt(handle, prompt, block_ids, timeout) if self.store is not None else 0
             else:
                 with observe_receive(self.transport, handle.endpoint, handle.transfer_id, len(block_ids)) as obs:
                     obs.nbytes = await self.receiver.fetch(

@@ -33,6 +33,10 @@ from splitserve.kvstore.kv_blocks import KVBlockStore, tail_key
 
 logger = logging.getLogger(__name__)
 
+#: store reads of a prefill with a deadline give up after this share of the time left, leaving the rest
+#: to recompute what they could not read
+READ_SHARE = 0.5
+
 
 class PrefillStore:
     def __init__(self, engine: AsyncEngine, blocks: KVBlockStore, transfer_mode: str = "direct") -> None:
@@ -44,8 +48,11 @@ class PrefillStore:
         self.cached_tokens = 0  # prefill tokens not computed thanks to the store
         self.cached_requests = 0
 
-    async def prefill(self, request_id: str, prompt: list[int], params: SamplingParams) -> RequestOutput:
-        """Steps 1-4: prefill reusing the longest cached prefix. Never fails because of the store."""
+    async def prefill(self, request_id: str, prompt: list[int], params: SamplingParams,
+                      time_remaining: float | None = None) -> RequestOutput:
+        """Steps 1-4: prefill reusing the longest cached prefix. Never fails because of the store: reads
+        that fail or take longer than ``READ_SHARE`` of ``time_remaining`` (the call's deadline) are
+        recomputed."""
         keys = self.blocks.keys(prompt)
         hits = await self.blocks.lookup_prefix(keys)
         loaded: list[int] = []
@@ -56,7 +63,8 @@ class PrefillStore:
                 block_ids = []
             if block_ids:
                 try:
-                    n = await self.blocks.load(hits[: len(block_ids)], block_ids)
+                    budget = None if time_remaining is None else READ_SHARE * time_remaining
+                    n = await self.blocks.load(hits[: len(block_ids)], block_ids, budget)
                 except BaseException:
                     self.engine.free_blocks(block_ids)
                     raise
@@ -113,16 +121,17 @@ class PrefillStore:
         task.add_done_callback(self._writes.discard)
 
     async def _save(self, keys: list[str], block_ids: list[int]) -> None:
-        try:
-            await self.blocks.save(keys, block_ids)
-        except Exception:
-            logger.exception("KV store write failed")
-        finally:
-            self.engine.free_blocks(block_ids)
+        await self._write(self.blocks.save(keys, block_ids), block_ids)
 
     async def _finish(self, keys: list[str], tickets, block_ids: list[int]) -> None:
+        await self._write(self.blocks.finish_save(keys, tickets, block_ids), block_ids)
+
+    async def _write(self, save, block_ids: list[int]) -> None:
+        """Run a background write; its blocks' extra reference is dropped however it ends."""
         try:
-            await self.blocks.finish_save(keys, tickets, block_ids)
+            await save
+        except PdError as exc:  # e.g. the master went away between PutStart and PutEnd
+            logger.warning("KV store write failed: %s", exc)
         except Exception:
             logger.exception("KV store write failed")
         finally:

@@ -62,7 +62,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             prompt = list(request.prompt_token_ids)
             with observe_prefill(request_id, len(prompt)) as obs:
                 if self.store is not None:
-                    out = await self.store.prefill(request_id, prompt, params)
+                    out = await self.store.prefill(request_id, prompt, params, context.time_remaining())
                 else:
                     out = await self.engine.prefill(request_id, prompt, params)
                 obs.done(out.cached_tokens, out.finish_reason)

@@ -30,6 +30,7 @@ from pd.v1 import kvstore_pb2 as kv, kvstore_pb2_grpc
 
 from splitserve.errors import ChecksumMismatch, LeaseExpired, ObjectAlreadyExists, PdError, StoreIOError
 from splitserve.kvstore.data_client import StoreDataClient
+from splitserve.kvstore.suspects import SuspectNodes
 from splitserve.rpc.server import channel
 from splitserve.rpc.status import store_error, store_error_from_rpc
 from splitserve.rpc.tls import TlsConfig
@@ -89,8 +90,8 @@ class KVStoreClient:
         replicas: copies per object asked at PutStart (0: the master's default).
         rpc_timeout_s: deadline of each master call. io_timeout_s: deadline of each UCX read/write.
         connect_timeout_s: a storage node not accepting a connection within this long counts as down.
-        suspect_s: after a failed read from a node, its replicas are tried last for this long (until the
-            master, after its heartbeat timeout, stops listing them).
+        suspect_s: after a read or write from a node failed, the node is skipped for this long (until the
+            master, after its heartbeat timeout, stops listing it; see :mod:`splitserve.kvstore.suspects`).
         clock: monotonic seconds (injectable for lease tests).
         tls: TLS (and a client certificate for mutual TLS) of the master channel when enabled; the UCX
             data plane to storage nodes is not encrypted.
@@ -107,8 +108,7 @@ class KVStoreClient:
         self._channel = channel(master, tls)
         self._stub = kvstore_pb2_grpc.KVStoreMasterServiceStub(self._channel)
         self.data = StoreDataClient(connect_timeout_s)
-        self.suspect_s = suspect_s
-        self._suspect: dict[str, float] = {}  # endpoint -> clock time until which its replicas are tried last
+        self.suspects = SuspectNodes(suspect_s, clock)
 
     async def start(self) -> None:
         await self.data.start()
@@ -171,17 +171,19 @@ class KVStoreClient:
         await self._rpc(self._stub.Remove, kv.RemoveRequest(key=key, ignore_lease=ignore_lease))
 
     # ---------------------------------------------------------------- data plane
-    async def read(self, locations: list[ObjectLocation], dsts: list[np.ndarray]) -> list[PdError | None]:
+    async def read(self, locations: list[ObjectLocation], dsts: list[np.ndarray],
+                   timeout_s: float | None = None) -> list[PdError | None]:
         """Read each object into its ``dst`` (exactly ``size`` bytes); per object None or the error.
 
         Objects are grouped into one UCX request per storage node; an object whose node fails is retried
-        on its next replica. Each result is verified (lease, then checksum) before it is reported OK.
+        on its next replica. Replicas on suspect nodes are skipped (an object with no other replica fails
+        at once). Each request gets at most ``io_timeout_s``, the whole read at most ``timeout_s`` (None:
+        no overall bound). Each result is verified (lease, then checksum) before it is reported OK.
         """
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout_s is None else loop.time() + timeout_s
         results: list[PdError | None] = [None] * len(locations)
         attempt = [0] * len(locations)
-        now = self.clock()
-        suspect = {ep for ep, until in self._suspect.items() if until > now}
-        order = [sorted(loc.replicas, key=lambda r: r.endpoint in suspect) for loc in locations]  # stable
         todo = []
         for i, (loc, dst) in enumerate(zip(locations, dsts)):
             if dst.nbytes != loc.size:
@@ -193,26 +195,40 @@ class KVStoreClient:
         while todo:
             by_node: dict[str, list[int]] = {}
             for i in todo:
-                by_node.setdefault(order[i][attempt[i]].endpoint, []).append(i)
+                replica = self._next_replica(locations[i], attempt, i)
+                if replica is None:
+                    results[i] = results[i] or StoreIOError(
+                        f"every replica of {locations[i].key} is on a storage node that failed recently")
+                else:
+                    by_node.setdefault(replica.endpoint, []).append(i)
+            remaining = self.io_timeout_s if deadline is None else min(self.io_timeout_s, deadline - loop.time())
+            if by_node and remaining <= 0:
+                for idx in by_node.values():
+                    for i in idx:
+                        results[i] = StoreIOError(f"no time left to read {locations[i].key}")
+                break
             outcomes = await asyncio.gather(
-                *(self.data.read(ep, [(order[i][attempt[i]].offset, dsts[i]) for i in idx], self.io_timeout_s)
-                  for ep, idx in by_node.items()),
+                *(self._timed(self.data.read(ep, [(locations[i].replicas[attempt[i]].offset, dsts[i]) for i in idx],
+                                             remaining)) for ep, idx in by_node.items()),
                 return_exceptions=True,
             )
             todo = []
-            for (ep, idx), outcome in zip(by_node.items(), outcomes):
-                if isinstance(outcome, asyncio.CancelledError):
-                    raise outcome
+            for (ep, idx), timed in zip(by_node.items(), outcomes):
+                if isinstance(timed, BaseException):  # cancelled
+                    raise timed
+                outcome, took = timed
                 if isinstance(outcome, BaseException):
                     err = outcome if isinstance(outcome, PdError) else StoreIOError(repr(outcome))
                     logger.info("store read from %s failed (%s); trying other replicas", ep, err)
-                    self._suspect[ep] = self.clock() + self.suspect_s
+                    if not (remaining < self.io_timeout_s and took >= remaining):  # not just our short budget
+                        self.suspects.mark(ep)
                     for i in idx:
+                        results[i] = err
                         attempt[i] += 1
-                        if attempt[i] < len(locations[i].replicas):
-                            todo.append(i)
-                        else:
-                            results[i] = err
+                        todo.append(i)
+                else:
+                    for i in idx:
+                        results[i] = None
         now = self.clock()
         for i, loc in enumerate(locations):
             if results[i] is None:
@@ -222,14 +238,40 @@ class KVStoreClient:
                     results[i] = ChecksumMismatch(f"object {loc.key}: bytes read do not match the checksum recorded at PutEnd")
         return results
 
+    @staticmethod
+    async def _timed(coro) -> tuple[object, float]:
+        """(result or exception, seconds it took); CancelledError propagates."""
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        try:
+            return await coro, loop.time() - start
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            return exc, loop.time() - start
+
+    def _next_replica(self, loc: ObjectLocation, attempt: list[int], i: int) -> ReplicaInfo | None:
+        """The replica of ``loc`` to try next (from ``attempt[i]`` on), skipping suspect nodes."""
+        while attempt[i] < len(loc.replicas):
+            replica = loc.replicas[attempt[i]]
+            if replica.endpoint not in self.suspects:
+                return replica
+            attempt[i] += 1
+        return None
+
     async def write(self, tickets: list[PutTicket], srcs: list[np.ndarray]) -> list[PdError | None]:
         """Write each ``src`` to every replica of its ticket (one UCX request per node); per ticket None
-        or the first error. Does not call PutEnd/PutRevoke."""
+        or the first error (a replica on a suspect node fails its ticket at once). Does not call
+        PutEnd/PutRevoke."""
         results: list[PdError | None] = [None] * len(tickets)
         by_node: dict[str, list[tuple[int, int]]] = {}
         for i, (t, src) in enumerate(zip(tickets, srcs)):
             if src.nbytes != t.size:
                 results[i] = StoreIOError(f"buffer of {src.nbytes} bytes for object {t.key} of {t.size} bytes")
+                continue
+            suspect = next((r.endpoint for r in t.replicas if r.endpoint in self.suspects), None)
+            if suspect is not None:
+                results[i] = StoreIOError(f"object {t.key} has a replica on {suspect}, a storage node that failed recently")
                 continue
             for r in t.replicas:
                 by_node.setdefault(r.endpoint, []).append((i, r.offset))
@@ -243,6 +285,7 @@ class KVStoreClient:
                 raise outcome
             if isinstance(outcome, BaseException):
                 err = outcome if isinstance(outcome, PdError) else StoreIOError(repr(outcome))
+                self.suspects.mark(ep)
                 for i, _off in items:
                     results[i] = results[i] or err
         return results

@@ -2,12 +2,14 @@
 
 ``read`` posts a receive per range straight into the caller's buffers (e.g. numpy views of KV blocks of
 the engine's cache: zero staging copies), then sends the REQUEST; ``write`` sends the REQUEST and every
-range straight from the caller's buffers, then waits for the node's STATUS. One cached endpoint per node.
+range straight from the caller's buffers, then waits for the node's STATUS. One cached endpoint per node
+(:class:`~splitserve.transfer.ucx_endpoints.EndpointCache`); messages are posted with
+:class:`~splitserve.transfer.ucx_requests.Posted`, the layer the KV transfer uses too.
 
 Cancel- and failure-safety: when ``read``/``write`` raises (timeout, refusal, connection error,
-``asyncio.CancelledError``) nothing it posted is still posted: the endpoint is aborted first, which
-cancels its receives and sends and returns once UCX finished cancelling. So the caller may free or
-reuse its buffers at once. Aborting fails other requests in flight on the same endpoint too; they raise
+``asyncio.CancelledError``) nothing it posted is still posted: whatever is pending is cancelled by
+aborting the endpoint, which returns once UCX finished cancelling. So the caller may free or reuse its
+buffers at once. Aborting fails other requests in flight on the same endpoint too; they raise
 :class:`StoreIOError` and the next request reconnects.
 """
 
@@ -15,23 +17,18 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import logging
 
 import numpy as np
 
 from splitserve.errors import StoreIOError
 from splitserve.kvstore import wire
-from splitserve.kvstore.ucx_common import abort_endpoint, consume, resolve, ucxx
-from splitserve.transfer import ucx_runtime
-from splitserve.transfer.common import parse_endpoint
-
-logger = logging.getLogger("splitserve.kvstore.client")
+from splitserve.transfer.ucx_endpoints import EndpointCache
+from splitserve.transfer.ucx_requests import Posted, connection_tag
 
 #: one range of a request: (offset in the node's segment, the local buffer of exactly that many bytes)
 Range = tuple[int, np.ndarray]
 
-#: ranges per UCX request; larger batches go as several requests, one after the other (each posted message
-#: takes a ucxx future from a pool that the notifier thread refills)
+#: ranges per UCX request; larger batches go as several requests, one after the other
 MAX_RANGES_PER_REQUEST = 64
 
 
@@ -70,37 +67,19 @@ class StoreDataClient:
 
     def __init__(self, connect_timeout_s: float = 1.0) -> None:
         self.connect_timeout_s = connect_timeout_s
-        self._peers: dict[str, object] = {}
-        self._connecting: dict[str, asyncio.Task] = {}
+        self._endpoints = EndpointCache("storage node", StoreIOError, connect_timeout_s)
         self._req_ids = itertools.count(1)
-        self._acquired = False
-        self._closed = False
         self.bytes_read = 0
         self.bytes_written = 0
 
     async def start(self) -> None:
         """Initialise UCX for this process (inside the running event loop used for all transfers)."""
-        if self._acquired:
-            return
-        if self._closed:
+        if self._endpoints.closed:
             raise RuntimeError("store data client is closed")
-        ucx_runtime.acquire()
-        self._acquired = True
+        await self._endpoints.start()
 
     async def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        for t in list(self._connecting.values()):
-            t.cancel()
-        for ep in list(self._peers.values()):
-            abort_endpoint(ep)
-        self._peers.clear()
-        if self._connecting:
-            await asyncio.wait(list(self._connecting.values()), timeout=1.0)
-        if self._acquired:
-            self._acquired = False
-            ucx_runtime.release()
+        await self._endpoints.close()
 
     # ---------------------------------------------------------------- transfers
     async def read(self, endpoint: str, ranges: list[Range], timeout_s: float) -> int:
@@ -114,7 +93,7 @@ class StoreDataClient:
         return await self._transfer(wire.Op.WRITE, endpoint, ranges, timeout_s)
 
     async def _transfer(self, op: wire.Op, endpoint: str, ranges: list[Range], timeout_s: float) -> int:
-        if self._closed or not self._acquired:
+        if self._endpoints.closed or not self._endpoints.started:
             raise StoreIOError("store data client is not started or closed")
         merged = merge_ranges(ranges)
         deadline = asyncio.get_running_loop().time() + timeout_s
@@ -124,40 +103,44 @@ class StoreDataClient:
         return nbytes
 
     async def _request(self, op: wire.Op, endpoint: str, ranges: list[Range], deadline: float) -> int:
-        loop = asyncio.get_running_loop()
-        ep = await self._endpoint(endpoint, deadline)
+        ep = await self._endpoints.get(endpoint, deadline)
         req = wire.Request(op, next(self._req_ids), [(offset, buf.nbytes) for offset, buf in ranges])
         status_buf = np.zeros(wire.STATUS_BUF_NBYTES, dtype=np.uint8)
-        status = loop.create_task(ep.recv(status_buf, tag=wire.tag(req.req_id, 0)))
-        data = []
-        if op is wire.Op.READ:  # post every receive before the request goes out
-            data = [loop.create_task(ep.recv(buf, tag=wire.tag(req.req_id, 1 + i))) for i, (_o, buf) in enumerate(ranges)]
-        tasks = [status, *data]
         try:
-            await asyncio.sleep(0)  # let the receive tasks post
-            tasks.append(loop.create_task(ep.am_send(wire.encode_request(req))))
+            posted = Posted(ep)
+        except Exception as exc:
+            self._endpoints.drop(endpoint, ep)
+            raise StoreIOError(f"connection to storage node {endpoint} is closed: {exc!r}") from exc
+
+        def tag(i: int, outgoing: bool) -> int:
+            return connection_tag(ep, wire.tag(req.req_id, i), outgoing=outgoing)
+
+        try:
+            status = posted.recv(status_buf, tag(0, False))
+            if op is wire.Op.READ:  # every receive is posted before the request goes out
+                for i, (_o, buf) in enumerate(ranges):
+                    posted.recv(buf, tag(1 + i, False))
+            posted.am_send(wire.encode_request(req))
             if op is wire.Op.WRITE:
-                data = [loop.create_task(ep.send(buf, tag=wire.tag(req.req_id, 1 + i))) for i, (_o, buf) in enumerate(ranges)]
-                tasks += data
-            await self._wait([status], deadline, endpoint)
+                for i, (_o, buf) in enumerate(ranges):
+                    posted.send(buf, tag(1 + i, True))
+            await posted.wait(deadline, [status])
+            self._raise_failed(posted, endpoint)
             code, detail = wire.decode_status(status_buf)
             if code is not wire.Status.OK:
                 raise StoreIOError(f"storage node {endpoint} refused {op.name}: {code.name} {detail}")
-            await self._wait(tasks, deadline, endpoint)
+            await posted.wait(deadline)
+            self._raise_failed(posted, endpoint)
         except BaseException as exc:
-            self._drop(endpoint, ep)  # cancels whatever is still posted before the caller reuses buffers
-            if any(not t.done() for t in tasks):
-                await asyncio.wait(tasks, timeout=1.0)
-            for t in tasks:
-                if not t.done():
-                    t.cancel()
+            # cancels whatever is still posted (a refused WRITE's sends too) before the caller reuses buffers
+            await posted.settle(0.0, lambda: self._endpoints.drop(endpoint, ep))
             if isinstance(exc, (StoreIOError, asyncio.CancelledError)):
                 raise
+            if isinstance(exc, asyncio.TimeoutError):
+                raise StoreIOError(f"storage node {endpoint} timed out") from None
             if isinstance(exc, wire.WireError):
                 raise StoreIOError(f"bad answer from storage node {endpoint}: {exc}") from None
             raise StoreIOError(f"store {op.name} at {endpoint} failed: {exc!r}") from exc
-        finally:
-            consume(tasks)
         nbytes = sum(buf.nbytes for _o, buf in ranges)
         if op is wire.Op.READ:
             self.bytes_read += nbytes
@@ -166,64 +149,7 @@ class StoreDataClient:
         return nbytes
 
     @staticmethod
-    async def _wait(tasks, deadline: float, endpoint: str) -> None:
-        """Wait for every task until ``deadline``; raise StoreIOError on timeout or the first failure."""
-        loop = asyncio.get_running_loop()
-        pending = [t for t in tasks if not t.done()]
-        while pending:
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                raise StoreIOError(f"storage node {endpoint} timed out")
-            done, pending_set = await asyncio.wait(pending, timeout=remaining, return_when=asyncio.FIRST_EXCEPTION)
-            pending = list(pending_set)
-            for t in done:
-                if t.exception() is not None:
-                    raise StoreIOError(f"storage node {endpoint}: {t.exception()!r}")
-        for t in tasks:
-            if t.exception() is not None:
-                raise StoreIOError(f"storage node {endpoint}: {t.exception()!r}")
-
-    # ---------------------------------------------------------------- endpoints
-    def _drop(self, key: str, ep) -> None:
-        if self._peers.get(key) is ep:
-            del self._peers[key]
-        abort_endpoint(ep)
-
-    async def _endpoint(self, key: str, deadline: float):
-        ep = self._peers.get(key)
-        if ep is not None and not ep.closed:
-            return ep
-        if ep is not None:
-            self._drop(key, ep)
-        loop = asyncio.get_running_loop()
-        task = self._connecting.get(key)
-        if task is None:
-            host, port = parse_endpoint(key)
-            timeout = min(max(deadline - loop.time(), 0.1), self.connect_timeout_s)
-            task = loop.create_task(self._connect(key, host, port, timeout))
-            self._connecting[key] = task
-
-            def _done(t: asyncio.Task, key=key) -> None:
-                if self._connecting.get(key) is t:
-                    del self._connecting[key]
-                if not t.cancelled():
-                    t.exception()
-
-            task.add_done_callback(_done)
-        try:
-            return await asyncio.wait_for(asyncio.shield(task), min(max(deadline - loop.time(), 0.0), self.connect_timeout_s + 0.5))
-        except (asyncio.TimeoutError, TimeoutError):
-            raise StoreIOError(f"timed out connecting to storage node {key}") from None
-        except StoreIOError:
-            raise
-        except Exception as exc:
-            raise StoreIOError(f"cannot connect to storage node {key}: {exc!r}") from exc
-
-    async def _connect(self, key: str, host: str, port: int, timeout_s: float):
-        ip = await resolve(host, port)
-        ep = await ucxx().create_endpoint(ip, port, endpoint_error_handling=True, connect_timeout=timeout_s)
-        if self._closed:
-            abort_endpoint(ep)
-            raise StoreIOError("store data client closed")
-        self._peers[key] = ep
-        return ep
+    def _raise_failed(posted: Posted, endpoint: str) -> None:
+        error = posted.first_error()
+        if error is not None:
+            raise StoreIOError(f"storage node {endpoint}: {error!r}")

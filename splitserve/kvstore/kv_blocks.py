@@ -105,13 +105,14 @@ class KVBlockStore:
             await asyncio.sleep(pause)
             pause = min(pause * 2, 0.02)
 
-    async def load(self, locations: list[ObjectLocation], block_ids: list[int]) -> int:
-        """Read ``locations[i]`` into block ``block_ids[i]``; returns how many *leading* blocks were loaded
-        and verified (blocks after the first failure must be recomputed)."""
+    async def load(self, locations: list[ObjectLocation], block_ids: list[int], timeout_s: float | None = None) -> int:
+        """Read ``locations[i]`` into block ``block_ids[i]`` within ``timeout_s`` (None: the client's I/O
+        timeout per node request); returns how many *leading* blocks were loaded and verified (blocks
+        after the first failure must be recomputed)."""
         if not locations:
             return 0
         with observe_store_op("get", len(locations)) as obs:
-            errors = await self.client.read(locations, [self.block(b) for b in block_ids])
+            errors = await self.client.read(locations, [self.block(b) for b in block_ids], timeout_s)
             n = 0
             for err in errors:
                 if err is not None:

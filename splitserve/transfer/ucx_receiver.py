@@ -1,0 +1,174 @@
+"""The decode side of the UCX KV transfer: pulls registered blocks of a prefill worker's KV pool into its own.
+
+Protocol, failure handling and cancellation: :mod:`splitserve.transfer.ucx`. One cached endpoint per
+peer (:class:`~splitserve.transfer.ucx_endpoints.EndpointCache`); each fetch posts every receive straight
+into the destination blocks, then its FETCH request, and awaits them all at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+
+import numpy as np
+import torch
+
+from splitserve.errors import InvalidRequest, KVChecksumMismatch, KVLayoutMismatch, KVTransferError, TransferNotFound
+from splitserve.telemetry.propagation import current_trace_context
+from splitserve.transfer import wire
+from splitserve.transfer.base import KVReceiver, TransferRefused, TransferStats
+from splitserve.transfer.common import (
+    Status,
+    byte_view,
+    check_cache,
+    compute_segments,
+    layout_digest,
+    parse_endpoint,
+    segments_checksum,
+)
+from splitserve.transfer.layout import KVLayout
+from splitserve.transfer.ucx_endpoints import EndpointCache
+from splitserve.transfer.ucx_requests import Posted
+
+logger = logging.getLogger("splitserve.transfer.ucx")
+
+# Tags: 0xA5 in the top byte, a 32-bit per-process fetch counter, 24 bits for the message within a fetch.
+_TAG_PREFIX = 0xA5 << 56
+_tag_counter = itertools.count(1)
+
+
+def _next_tag_base() -> int:
+    return _TAG_PREFIX | ((next(_tag_counter) & 0xFFFFFFFF) << 24)
+
+
+class UcxKVReceiver(KVReceiver):
+    """Pulls KV blocks into ``kv_cache``; one cached endpoint per peer endpoint string."""
+
+    def __init__(
+        self, kv_cache: torch.Tensor, layout: KVLayout, *, cancel_grace_s: float = 1.0, verify_checksum: bool = False
+    ) -> None:
+        self._num_blocks = check_cache(kv_cache, layout)
+        self._verify = bool(verify_checksum)
+        self._kv = kv_cache
+        self._bytes = byte_view(kv_cache).numpy()
+        self._block_nbytes = layout.block_nbytes
+        self._digest = layout_digest(layout)
+        self._cancel_grace_s = float(cancel_grace_s)
+        self._endpoints = EndpointCache("KV sender", KVTransferError)
+        self.stats = TransferStats()
+
+    async def start(self) -> None:
+        if self._endpoints.closed:
+            raise RuntimeError("receiver is closed")
+        await self._endpoints.start()
+
+    async def close(self) -> None:
+        await self._endpoints.close()  # in-flight fetches see their receives cancelled
+
+    # ---------------------------------------------------------------- fetch
+    async def fetch(
+        self,
+        endpoint: str,
+        transfer_id: str,
+        src_block_ids: list[int],
+        dst_block_ids: list[int],
+        timeout_s: float,
+    ) -> int:
+        if self._endpoints.closed:
+            raise KVTransferError("receiver is closed")
+        if not self._endpoints.started:
+            raise RuntimeError("receiver not started")
+        segments = compute_segments(src_block_ids, dst_block_ids, self._num_blocks)
+        if not segments:
+            return 0
+        if len(segments) > wire.MAX_SEGMENTS:
+            raise InvalidRequest("too many segments in one fetch")
+        if timeout_s <= 0:
+            raise InvalidRequest("timeout_s must be positive")
+        parse_endpoint(endpoint)  # validate before connecting
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        try:
+            ep = await self._endpoints.get(endpoint, deadline)
+            nbytes = await self._fetch_on(ep, endpoint, transfer_id, segments, deadline)
+        except BaseException:
+            self.stats.transfers_failed += 1
+            raise
+        self.stats.bytes_received += nbytes
+        self.stats.transfers_ok += 1
+        return nbytes
+
+    async def _fetch_on(self, ep, key: str, transfer_id: str, segments, deadline: float) -> int:
+        loop = asyncio.get_running_loop()
+        bn = self._block_nbytes
+        tag = _next_tag_base()
+        status_buf = np.zeros(wire.STATUS_BUF_NBYTES, dtype=np.uint8)
+        flags = wire.FLAG_CHECKSUM if self._verify else 0
+        request = wire.encode_fetch(
+            wire.FetchRequest(
+                tag, bn, self._digest, transfer_id, [(s, n) for s, _d, n in segments], current_trace_context(), flags
+            )
+        )
+        try:
+            posted = Posted(ep)
+        except Exception as exc:
+            self._endpoints.drop(key, ep)
+            raise KVTransferError(f"KV endpoint {key} is closed: {exc!r}") from exc
+
+        def grace() -> float:
+            return max(0.0, min(self._cancel_grace_s, deadline - loop.time()))
+
+        def abort() -> None:
+            self._endpoints.drop(key, ep)
+            logger.info("KV fetch from %s abandoned with requests posted: endpoint aborted", key)
+
+        try:
+            # Every receive is posted before the request goes out, with no await in between: UCX writes the
+            # segments straight into the pool (zero copy), and there is no half-posted state to undo.
+            posted.recv(status_buf, tag)
+            for i, (_s, d, n) in enumerate(segments):
+                posted.recv(self._bytes[d * bn : (d + n) * bn], tag + 1 + i)
+            posted.am_send(request)
+            # One wait for everything (each separate wake-up costs a loop hop): the STATUS and, on OK, the
+            # data; otherwise the empty messages that complete the posted receives.
+            await posted.wait(deadline)
+            error = posted.first_error()
+            if error is not None:  # the connection broke (what is still pending is settled below)
+                raise KVTransferError(f"KV fetch of {transfer_id!r} from {key} failed: {error!r}")
+            status, detail, checksum = wire.decode_status_checksum(status_buf)  # all done: wait raises at the deadline
+            if status is Status.NOT_FOUND:
+                raise TransferNotFound(detail or f"transfer {transfer_id!r} not found at {key}")
+            if status is Status.INVALID:
+                raise TransferRefused(f"KV sender {key} refused transfer {transfer_id!r}: {detail}")
+            if status is Status.LAYOUT_MISMATCH:
+                raise KVLayoutMismatch(f"KV layout mismatch with sender {key}: remote [{detail}]")
+            if status is not Status.OK:
+                raise KVTransferError(f"KV sender {key} refused transfer {transfer_id!r}: {status.name} {detail}")
+            if self._verify:
+                self._check(key, transfer_id, segments, checksum)
+            return sum(n for _s, _d, n in segments) * bn
+        except asyncio.CancelledError:
+            await posted.settle(grace(), abort)
+            raise
+        except asyncio.TimeoutError:
+            await posted.settle(0.0, abort)
+            raise KVTransferError(f"KV fetch of {transfer_id!r} from {key} timed out") from None
+        except wire.WireError as exc:
+            await posted.settle(0.0, abort)
+            raise KVTransferError(f"bad answer from KV sender {key}: {exc}") from None
+        except (KVTransferError, TransferNotFound, KVLayoutMismatch):
+            await posted.settle(grace(), abort)
+            raise
+        except Exception as exc:  # posting failed (endpoint closed under us) or an unexpected UCX error
+            await posted.settle(grace(), abort)
+            raise KVTransferError(f"KV fetch of {transfer_id!r} from {key} failed: {exc!r}") from exc
+
+    def _check(self, key: str, transfer_id: str, segments, expected: int | None) -> None:
+        if expected is None:
+            raise KVTransferError(f"KV sender {key} sent no checksum for transfer {transfer_id!r}")
+        got = segments_checksum(self._bytes, [(d, n) for _s, d, n in segments], self._block_nbytes)
+        if got != expected:
+            self.stats.checksum_failures += 1
+            raise KVChecksumMismatch(
+                f"KV transfer {transfer_id!r} from {key} is corrupted: checksum {got:016x}, sender's {expected:016x}"
+            )

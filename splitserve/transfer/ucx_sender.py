@@ -1,0 +1,166 @@
+"""The prefill side of the UCX KV transfer: serves FETCH requests for registered blocks of its KV pool.
+
+Protocol and failure handling: :mod:`splitserve.transfer.ucx`. Connections come from a
+:class:`~splitserve.transfer.ucx_listener.UcxServer`; each FETCH is answered at once (the STATUS and every
+segment posted straight from the pool) and its completion awaited in a task of that connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import numpy as np
+import torch
+
+from splitserve.telemetry.transfer import start_send
+from splitserve.transfer import wire
+from splitserve.transfer.base import KVSender, OnDone, TransferStats
+from splitserve.transfer.common import (
+    Registration,
+    Status,
+    TransferTable,
+    advertise_host,
+    byte_view,
+    call_on_done,
+    check_cache,
+    format_endpoint,
+    layout_digest,
+    segments_checksum,
+)
+from splitserve.transfer.layout import KVLayout
+from splitserve.transfer.ucx_listener import UcxServer
+from splitserve.transfer.ucx_requests import Posted
+
+logger = logging.getLogger("splitserve.transfer.ucx")
+
+_EMPTY = np.empty(0, dtype=np.uint8)
+
+
+class UcxKVSender(KVSender):
+    """Serves pulls of registered blocks of ``kv_cache`` over a ucxx listener."""
+
+    def __init__(
+        self,
+        kv_cache: torch.Tensor,
+        layout: KVLayout,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        send_timeout_s: float = 30.0,
+        corrupt_sends: bool = False,
+    ) -> None:
+        self._num_blocks = check_cache(kv_cache, layout)
+        self._corrupt_sends = bool(corrupt_sends)  # fault injection for tests (splitserve.transfer.faults)
+        self._kv = kv_cache  # keeps the memory behind self._bytes alive
+        self._bytes = byte_view(kv_cache).numpy()
+        self._block_nbytes = layout.block_nbytes
+        self._digest = layout_digest(layout)
+        self._layout = layout
+        self._host = advertise_host(host)
+        self._send_timeout_s = float(send_timeout_s)
+        self._table = TransferTable(self._num_blocks)
+        self._server = UcxServer(self._dispatch, wire.decode_fetch, port=port, name="KV sender", drain_s=self._send_timeout_s)
+        self.stats = TransferStats()
+
+    # ---------------------------------------------------------------- API
+    async def start(self) -> None:
+        if self._server.started:
+            return
+        await self._server.start()
+        logger.info("KV sender listening, advertised as %s", self.endpoint)
+
+    @property
+    def endpoint(self) -> str:
+        if not self._server.started and self._server.port == 0:
+            raise RuntimeError("endpoint is known only after start()")
+        return format_endpoint(self._host, self._server.port)
+
+    def register(self, transfer_id: str, block_ids: list[int], on_done: OnDone) -> None:
+        if self._server.closing:
+            raise RuntimeError("sender is closed")
+        self._table.register(transfer_id, block_ids, on_done)
+
+    def unregister(self, transfer_id: str) -> bool:
+        return self._table.unregister(transfer_id)
+
+    async def close(self) -> None:
+        if self._server.closing:
+            return
+        # Transfers already being sent usually complete within milliseconds: let them report success;
+        # then aborting the connections cancels what is still posted.
+        await self._server.close(drain_s=1.0)
+        for reg in self._table.drain():
+            self.stats.transfers_failed += 1
+            call_on_done(reg, False)
+
+    # ---------------------------------------------------------------- requests
+    def _dispatch(self, ep, req: wire.FetchRequest) -> bool:
+        """Answer one FETCH request; False means the connection failed and is dropped."""
+        reg: Registration | None = None
+        obs = start_send("ucx", req.transfer_id, sum(n for _s, n in req.runs), req.trace_context)
+        if self._server.closing:
+            status, detail = Status.CLOSING, "sender is closing"
+        elif req.block_nbytes != self._block_nbytes or req.layout_digest != self._digest:
+            status, detail = Status.LAYOUT_MISMATCH, self._layout.describe()
+        else:
+            # Serves only blocks registered under this id (registered ids are range-checked).
+            status, reg, detail = self._table.claim(req.transfer_id, req.runs)
+        # Post the STATUS and every segment now (no loop hop before the bytes start moving).
+        bn = self._block_nbytes
+        nbytes = 0
+        checksum = None
+        if req.flags & wire.FLAG_CHECKSUM and status is Status.OK:
+            checksum = segments_checksum(self._bytes, req.runs, bn)
+        corrupted = self._corrupt(req.runs) if status is Status.OK and self._corrupt_sends else None
+        posted: Posted | None = None
+        error: BaseException | None = None
+        try:
+            posted = Posted(ep)
+            posted.send(wire.encode_status(status, detail, checksum), req.tag_base)
+            for i, (start, count) in enumerate(req.runs):
+                if status is Status.OK:
+                    posted.send(self._bytes[start * bn : (start + count) * bn], req.tag_base + 1 + i)
+                    nbytes += count * bn
+                else:  # completes the receiver's posted receive without writing into its blocks
+                    posted.send(_EMPTY, req.tag_base + 1 + i)
+        except Exception as exc:  # endpoint closed or failed while posting
+            error = exc
+        refusal = None if status is Status.OK else f"{status.name}: {detail}"
+        self._server.spawn(ep, self._finish(ep, req.transfer_id, posted, error, reg, nbytes, obs, refusal, corrupted))
+        return error is None
+
+    def _corrupt(self, runs) -> int:
+        """Fault injection: flip the first byte of the first requested block; returns its offset."""
+        offset = runs[0][0] * self._block_nbytes
+        self._bytes[offset] ^= 0xFF
+        return offset
+
+    async def _finish(self, ep, transfer_id: str, posted: Posted | None, error: BaseException | None,
+                      reg: Registration | None, nbytes: int, obs, refusal: str | None, corrupted: int | None = None) -> None:
+        """Wait for the posted sends, then report the transfer exactly once (and end its span)."""
+        ok = False
+        try:
+            if posted is None:  # the endpoint failed before anything was posted
+                self._server.forget(ep)
+            else:
+                # Sends still posted after the timeout (or on a failed connection) would keep reading the
+                # blocks after on_done: settle cancels them by aborting the connection first.
+                ok = await posted.settle(self._send_timeout_s if error is None else 0.0, lambda: self._server.forget(ep))
+                error = error or posted.first_error()
+            if not ok:
+                logger.info("KV send of %r failed or timed out: %r", transfer_id, error)
+        except asyncio.CancelledError:  # closing: settle has already made sure nothing is posted
+            pass
+        finally:
+            if corrupted is not None:  # UCX no longer reads the blocks: restore the flipped byte
+                self._bytes[corrupted] ^= 0xFF
+            served = ok and reg is not None
+            obs.finish(served, nbytes, None if served else refusal or "send failed")
+            if reg is not None:
+                if ok:
+                    self.stats.bytes_sent += nbytes
+                    self.stats.transfers_ok += 1
+                else:
+                    self.stats.transfers_failed += 1
+                call_on_done(reg, ok)
