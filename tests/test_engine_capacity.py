@@ -34,11 +34,15 @@ async def collect(engine, rid, prompt, params=PARAMS) -> list[int]:
     return [t async for out in engine.generate(rid, prompt, params) for t in out.token_ids]
 
 
-async def until(engine, key, value) -> dict:
-    while True:  # the engine thread answers each stats call after its current turn
+async def until(engine, key, value, timeout_s: float = 30.0) -> dict:
+    """Poll the engine's stats until ``key`` equals ``value`` (each call is answered after the engine's current turn)."""
+    t0 = asyncio.get_running_loop().time()
+    while True:
         stats = await engine.stats()
         if stats[key] == value:
             return stats
+        if asyncio.get_running_loop().time() - t0 > timeout_s:
+            raise AssertionError(f"{key} never became {value}: {stats}")
         await asyncio.sleep(0.01)
 
 
