@@ -22,6 +22,7 @@ A caller that goes away while waiting (abort, cancelled allocation) leaves nothi
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import math
 import time
 from collections import deque
@@ -160,25 +161,37 @@ class Admission:
     # --- bounds ------------------------------------------------------------------------------------------
     def expire(self) -> list[tuple[Sequence, CapacityExhausted]]:
         """Fail what waited ``max_queue_wait_s``: allocations get the error on their future; requests are
-        removed from the queue with their blocks freed and returned with their error (the caller emits it)."""
+        removed from the queue with their blocks freed and returned with their error (the caller emits it).
+
+        Both queues are in arrival order (preempted requests, at the front of ``waiting``, have no
+        ``queued_at``), so only the expired ones at the front are looked at: cheap on every engine turn."""
         now = self.clock()
         limit = self.max_queue_wait_s
-        for w in [w for w in self.waiters if now - w.queued_at >= limit]:
-            self.waiters.remove(w)
+        while self.waiters and now - self.waiters[0].queued_at >= limit:
+            w = self.waiters.popleft()
             if w.future.set_running_or_notify_cancel():
                 self.num_timed_out += 1
                 w.future.set_exception(CapacityExhausted(
                     f"allocation of {w.num_blocks} KV blocks waited {now - w.queued_at:.1f} s (max_queue_wait_s); "
                     f"{self._pool()}; try again later"))
         expired = []
-        for seq in [s for s in self.scheduler.waiting if s.queued_at is not None and now - s.queued_at >= limit]:
+        for seq in self._queued():
+            if now - seq.queued_at < limit:
+                break
+            expired.append(seq)
+        out = []
+        for seq in expired:
             msg = (f"request {seq.request_id} waited {now - seq.queued_at:.1f} s (max_queue_wait_s) in the queue: "
                    f"needs {self.scheduler.blocks_needed(seq)} more KV blocks; {self._pool()}; try again later")
             self.scheduler.abort(seq.request_id)
             self.num_timed_out += 1
-            expired.append((seq, CapacityExhausted(msg)))
+            out.append((seq, CapacityExhausted(msg)))
         self.serve()
-        return expired
+        return out
+
+    def _queued(self):
+        """Waiting requests that have a ``queued_at`` (not preempted ones), oldest first."""
+        return (s for s in self.scheduler.waiting if s.queued_at is not None)
 
     def _pool(self) -> str:
         bm = self.block_manager
@@ -189,10 +202,11 @@ class Admission:
         """Seconds until the next waiter times out (0 if one is due), or None when nothing can time out."""
         if math.isinf(self.max_queue_wait_s):
             return None
-        times = [w.queued_at for w in self.waiters] + [s.queued_at for s in self.scheduler.waiting if s.queued_at is not None]
-        if not times:
+        oldest = [self.waiters[0].queued_at] if self.waiters else []
+        oldest += [s.queued_at for s in itertools.islice(self._queued(), 1)]
+        if not oldest:
             return None
-        return max(0.0, min(times) + self.max_queue_wait_s - self.clock())
+        return max(0.0, min(oldest) + self.max_queue_wait_s - self.clock())
 
     def fail_all(self, exc: Exception) -> None:
         """Fail every waiting allocation (the engine stops)."""
