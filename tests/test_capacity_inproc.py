@@ -2,7 +2,7 @@
 router's backend and HTTP app). The workers' engine clocks are injected, so no test sleeps until a bound.
 
 A prefill worker whose pool stays held past ``max_queue_wait_s`` answers RESOURCE_EXHAUSTED and the router
-retries elsewhere (here: prefill on the decode worker); when every worker is exhausted the client gets
+retries elsewhere (another prefill worker, else prefill on the decode worker); when every worker is exhausted the client gets
 HTTP 503 with Retry-After and an OpenAI error body. Nothing leaks either way."""
 
 from __future__ import annotations
@@ -52,8 +52,8 @@ def expire(worker, clock: Clock) -> None:
     worker.engine.core.wake()
 
 
-async def started(lm) -> tuple[InprocCluster, list[Clock]]:
-    c = await InprocCluster(lm).start()
+async def started(lm, num_prefill: int = 1) -> tuple[InprocCluster, list[Clock]]:
+    c = await InprocCluster(lm, num_prefill=num_prefill).start()
     clocks = []
     for w in c.prefill + c.decode:
         clock = Clock()
@@ -79,6 +79,37 @@ async def test_a_prefill_worker_past_its_queue_bound_is_retried_elsewhere(lm):
         await c.wait_idle()
     finally:
         await c.stop()
+
+
+async def test_the_router_retries_a_prefill_worker_past_its_queue_bound_on_another_one(lm):
+    c, clocks = await started(lm, num_prefill=2)
+    try:
+        held = [await w.engine.allocate_blocks(w.engine.num_blocks) for w in c.prefill]
+        async with c.http() as http:
+            request = asyncio.ensure_future(http.post("/v1/completions", json=BODY))
+            first = await first_waiting(c.prefill)
+            expire(c.prefill[first], clocks[first])
+            other = 1 - first
+            await until_waiting(c.prefill[other])  # the retry waits its turn there
+            c.prefill[other].engine.free_blocks(held[other])  # e.g. its leases are released
+            r = await request
+        assert r.status_code == 200 and len(r.json()["choices"][0]["text"]) > 0
+        assert c.backend.counters["prefill_retries"] == 1 and c.backend.counters["local_prefill_fallbacks"] == 0
+        c.prefill[first].engine.free_blocks(held[first])
+        await c.wait_idle()
+    finally:
+        await c.stop()
+
+
+async def first_waiting(workers, timeout_s: float = 30.0) -> int:
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    while True:
+        for i, w in enumerate(workers):
+            if (await stats_of(w))["requests_waiting"]:
+                return i
+        assert loop.time() - t0 < timeout_s, "no prefill worker got the request"
+        await asyncio.sleep(0.01)
 
 
 async def test_every_worker_past_its_queue_bound_is_http_503_with_retry_after(lm):
