@@ -123,17 +123,31 @@ async def test_a_burst_beyond_the_free_kv_blocks_completes_with_the_reference_to
     ref = [await tokens(colocated.grpc_address, p) for p in prompts]
     ref_text = [await http_text(colocated.base_url, p) for p in prompts[:4]]
     before = {w.name: await capacity.stats(w) for w in (capacity.p0, capacity.d0)}
-    burst = [p for p in prompts for _ in range(2)]  # 16 requests; the repeats may reuse KV-store blocks
-    got, got_text = await asyncio.gather(
-        asyncio.gather(*(tokens(capacity.router, p) for p in burst)),
-        asyncio.gather(*(http_text(capacity.base_url, p) for p in prompts[:4])),
-    )
+    sampling = common_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    async with grpc.aio.insecure_channel(capacity.address(capacity.p0)) as ch:
+        prefill = prefill_pb2_grpc.PrefillServiceStub(ch)
+        # KV of decode legs that have not come yet holds 5 of the prefill worker's 6 blocks when the burst arrives
+        held = [await prefill.Prefill(prefill_pb2.PrefillRequest(request_id=f"held-{i}", prompt_token_ids=prompts[0],
+                                                                 sampling=sampling), timeout=30) for i in range(5)]
+        burst = [p for p in prompts for _ in range(2)]  # 16 requests; the repeats may reuse KV-store blocks
+        run = asyncio.gather(
+            asyncio.gather(*(tokens(capacity.router, p) for p in burst)),
+            asyncio.gather(*(http_text(capacity.base_url, p) for p in prompts[:4])),
+        )
+        t0 = time.monotonic()
+        while (await capacity.stats(capacity.p0))["requests_waiting"] < 1:  # the burst queues behind the held KV
+            assert time.monotonic() - t0 < 30 and not run.done(), "the burst never waited for KV blocks"
+            await asyncio.sleep(0.02)
+        for h in held:  # then the held KV is released, as the router does when those decode legs fail
+            assert (await prefill.ReleaseKV(prefill_pb2.ReleaseKVRequest(transfer_id=h.kv_handle.transfer_id))).released
+        got, got_text = await run
     assert got == [r for r in ref for _ in range(2)]
     assert got_text == ref_text
     report = await capacity.wait_idle()
     p, d = report["prefill-0"], report["decode-0"]
     assert p["kv_blocks_total"] == PREFILL_BLOCKS and d["kv_blocks_total"] == DECODE_BLOCKS
-    # the burst did have to wait for blocks on both workers, and nothing failed, timed out or fell back
+    # the burst did wait for blocks on both workers (decode: 20 requests of up to 4 blocks, 12 blocks), and
+    # nothing failed, timed out or fell back
     assert p["kv_block_waits"] > before["prefill-0"]["kv_block_waits"]
     assert d["kv_block_waits"] > before["decode-0"]["kv_block_waits"]
     for s in (p, d):
