@@ -75,9 +75,10 @@ class AsyncEngine:
                                config.max_queue_len, config.max_queue_wait_s)
         longest = max_blocks(1, self.max_model_len, config.block_size, self.max_model_len, prefill_only=False)
         if longest > num_blocks:
+            pool_tokens = num_blocks * config.block_size
             logger.warning("the KV pool (%d blocks of %d tokens) cannot hold one request of the full context (%d tokens): "
-                           "requests whose prompt + max_tokens exceed %d tokens are refused", num_blocks, config.block_size,
-                           self.max_model_len, num_blocks * config.block_size + 1)
+                           "a prompt longer than %d tokens, or a generation whose prompt + max_tokens exceeds %d, is refused",
+                           num_blocks, config.block_size, self.max_model_len, pool_tokens, pool_tokens + 1)
         self._queues: dict[str, asyncio.Queue] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ids = itertools.count()
