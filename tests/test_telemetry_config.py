@@ -108,8 +108,9 @@ def test_every_metric_is_prefixed_and_in_base_units():
 
 def _fake_engine(free=6, total=8):
     bm = SimpleNamespace(num_blocks=total, num_free=free)
-    sched = SimpleNamespace(running=[1, 2], waiting=[3])
-    core = SimpleNamespace(scheduler=sched, num_steps=5, num_prefill_tokens=40, num_decode_tokens=9)
+    sched = SimpleNamespace(running=[1, 2], waiting=[3], num_block_waits=4)
+    admission = SimpleNamespace(waiters=[7], num_block_waits=1, num_timed_out=2, num_refused=0)
+    core = SimpleNamespace(scheduler=sched, admission=admission, num_steps=5, num_prefill_tokens=40, num_decode_tokens=9)
     return SimpleNamespace(block_manager=bm, core=core)
 
 
@@ -126,6 +127,8 @@ def test_worker_metrics_server_serves_engine_gauges():
     assert values["splitserve:kv_cache_usage_perc"] == 0.25
     assert values["splitserve:num_requests_running"] == 2 and values["splitserve:num_requests_waiting"] == 1
     assert values["splitserve:engine_decode_tokens_total"] == 9 and values["splitserve:kv_leases_held"] == 3
+    assert values["splitserve:num_kv_allocations_waiting"] == 1 and values["splitserve:kv_block_waits_total"] == 5
+    assert values["splitserve:queue_timeouts_total"] == 2 and values["splitserve:queue_refused_total"] == 0
     assert start_metrics_server("127.0.0.1", -1) is None
     for bad in (-2, 70000):
         with pytest.raises(ValueError, match="metrics_port"):

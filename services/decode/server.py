@@ -115,7 +115,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         if params.max_tokens <= 1:
             raise InvalidRequest("max_tokens <= 1: the request finished at prefill; nothing to decode")
         timeout = self.transfer_timeout_s if time_remaining is None else max(0.001, min(self.transfer_timeout_s, time_remaining))
-        block_ids = await self.engine.allocate_blocks(len(handle.block_ids))
+        self.engine.check_capacity(len(prompt), params)  # could never fit this pool: refuse before taking blocks
+        block_ids = await self.engine.allocate_blocks(len(handle.block_ids))  # waits (bounded) while the pool is busy
         try:
             computed = None
             if handle.via_store:  # store transfer mode: read from the KV store, recompute what is missing

@@ -58,8 +58,8 @@ class PrefillStore:
         loaded: list[int] = []
         if hits:
             try:
-                block_ids = await self.engine.allocate_blocks(len(hits))
-            except PdError:  # the pool is short: compute everything
+                block_ids = await self.engine.allocate_blocks(len(hits), wait=False)
+            except PdError:  # not free right now: compute everything (the prefill itself waits for its blocks)
                 block_ids = []
             if block_ids:
                 try:

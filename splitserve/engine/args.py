@@ -14,6 +14,14 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default=env("PD_MODEL", str(default_model_path())), help="HF folder or .gguf file")
     ap.add_argument("--block-size", type=int, default=int(env("PD_BLOCK_SIZE", "16")), help="tokens per KV block")
     ap.add_argument("--kv-cache-mb", type=int, default=int(env("PD_KV_CACHE_MB", "256")), help="KV pool size, MiB")
+    ap.add_argument("--num-blocks", type=int, default=int(env("PD_NUM_BLOCKS", "0")),
+                    help="KV pool size in blocks (overrides --kv-cache-mb); 0 = as many as --kv-cache-mb holds")
+    ap.add_argument("--max-queue-len", type=int, default=int(env("PD_MAX_QUEUE_LEN", "1024")),
+                    help="requests (and KV block allocations) that may wait for free KV blocks at once; more are refused "
+                         "with RESOURCE_EXHAUSTED")
+    ap.add_argument("--max-queue-wait-s", type=float, default=float(env("PD_MAX_QUEUE_WAIT_S", "30")),
+                    help="longest wait for free KV blocks before RESOURCE_EXHAUSTED (inf = no bound; a deadline or "
+                         "cancel still ends the wait)")
     ap.add_argument("--max-num-seqs", type=int, default=int(env("PD_MAX_NUM_SEQS", "64")))
     ap.add_argument("--max-num-batched-tokens", type=int, default=int(env("PD_MAX_NUM_BATCHED_TOKENS", "4096")),
                     help="prompt tokens per prefill batch; with --enable-chunked-prefill, tokens per step (budget)")
@@ -28,4 +36,5 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         block_size=args.block_size, kv_cache_mb=args.kv_cache_mb, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, enable_chunked_prefill=args.enable_chunked_prefill,
+        num_blocks=args.num_blocks, max_queue_len=args.max_queue_len, max_queue_wait_s=args.max_queue_wait_s,
     )

@@ -10,6 +10,7 @@ from typing import AsyncIterator
 
 import torch
 
+from splitserve.engine.admission import check_fits, max_blocks
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.core import EngineCore, RequestOutput
 from splitserve.engine.runner import ModelRunner
@@ -30,10 +31,15 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 4096  # prompt tokens per prefill batch; with chunking, tokens per step
     enable_chunked_prefill: bool = False  # Sarathi-style: decodes + prompt chunks share each step
+    num_blocks: int = 0  # KV pool size in blocks; 0 = as many as kv_cache_mb holds
+    max_queue_len: int = 1024  # requests + block allocations waiting for KV blocks / a batch slot; more are refused
+    max_queue_wait_s: float = 30.0  # a request still waiting after this fails with RESOURCE_EXHAUSTED (inf: never)
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.kv_cache_mb < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError(f"engine settings must be positive: {self}")
+        if self.num_blocks < 0 or self.max_queue_len < 1 or not self.max_queue_wait_s > 0:
+            raise ValueError(f"num_blocks must be >= 0, max_queue_len >= 1 and max_queue_wait_s > 0: {self}")
 
 
 class AsyncEngine:
@@ -41,6 +47,10 @@ class AsyncEngine:
 
     Modes: ``generate`` (prefill + decode here), ``prefill`` (first token, KV blocks handed to the
     caller), ``decode_prefilled`` (KV already placed in blocks from ``allocate_blocks``).
+
+    KV capacity: a request that needs more blocks than the whole pool is refused at once
+    (InvalidRequest); one that fits the pool waits in a bounded FIFO queue until its blocks are free
+    (``max_queue_len`` / ``max_queue_wait_s``; past them CapacityExhausted). See ``engine.admission``.
     """
 
     def __init__(self, lm: LoadedModel, config: EngineConfig) -> None:
@@ -49,7 +59,7 @@ class AsyncEngine:
         self.max_model_len = lm.max_model_len
         mc = lm.config
         self.layout = KVLayout(lm.model_id, mc.num_layers, mc.num_kv_heads, mc.head_dim, config.block_size, mc.dtype)
-        num_blocks = max(1, config.kv_cache_mb * 2**20 // self.layout.block_nbytes)
+        num_blocks = config.num_blocks or max(1, config.kv_cache_mb * 2**20 // self.layout.block_nbytes)
         self.kv_cache = self.layout.allocate_cache(num_blocks)
         self.block_manager = BlockManager(num_blocks)
         sched = Scheduler(
@@ -61,7 +71,14 @@ class AsyncEngine:
             self.block_manager,
             lm.eos_token_ids,
         )
-        self.core = EngineCore(ModelRunner(lm, self.kv_cache, config.block_size), sched, self._emit_threadsafe)
+        self.core = EngineCore(ModelRunner(lm, self.kv_cache, config.block_size), sched, self._emit_threadsafe,
+                               config.max_queue_len, config.max_queue_wait_s)
+        longest = max_blocks(1, self.max_model_len, config.block_size, self.max_model_len, prefill_only=False)
+        if longest > num_blocks:
+            pool_tokens = num_blocks * config.block_size
+            logger.warning("the KV pool (%d blocks of %d tokens) cannot hold one request of the full context (%d tokens): "
+                           "a prompt longer than %d tokens, or a generation whose prompt + max_tokens exceeds %d, is refused",
+                           num_blocks, config.block_size, self.max_model_len, pool_tokens, pool_tokens + 1)
         self._queues: dict[str, asyncio.Queue] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ids = itertools.count()
@@ -90,7 +107,7 @@ class AsyncEngine:
             elif out.block_ids:  # consumer gone before it took ownership of the KV blocks
                 self.core.free(out.block_ids)
 
-    def _validate(self, prompt_token_ids: list[int]) -> None:
+    def _validate(self, prompt_token_ids: list[int], params: SamplingParams, prefill_only: bool = False) -> None:
         if not prompt_token_ids:
             raise InvalidRequest("prompt must contain at least one token")
         vocab = self.lm.config.vocab_size
@@ -98,6 +115,13 @@ class AsyncEngine:
             raise InvalidRequest(f"prompt token ids must be in [0, {vocab})")
         if len(prompt_token_ids) >= self.max_model_len:
             raise InvalidRequest(f"prompt has {len(prompt_token_ids)} tokens; the model's context is {self.max_model_len}")
+        self.check_capacity(len(prompt_token_ids), params, prefill_only)
+
+    def check_capacity(self, num_prompt_tokens: int, params: SamplingParams, prefill_only: bool = False) -> None:
+        """Raises InvalidRequest when the request could never fit this worker's KV pool: its prompt (a
+        prefill), or prompt + ``params.max_tokens`` (capped by the context; a generation or decode).
+        A request that fits waits for free blocks instead of failing."""
+        check_fits(num_prompt_tokens, params.max_tokens, self.config.block_size, self.max_model_len, self.num_blocks, prefill_only)
 
     async def _stream(self, seq: Sequence) -> AsyncIterator[RequestOutput]:
         if seq.request_id in self._queues:
@@ -130,7 +154,7 @@ class AsyncEngine:
     # --- public API ----------------------------------------------------------------------
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
         """Prefill and decode here; yields one RequestOutput per step. Closing the iterator aborts."""
-        self._validate(prompt_token_ids)
+        self._validate(prompt_token_ids, params)
         return self._stream(Sequence(request_id, list(prompt_token_ids), params, SeqMode.GENERATE))
 
     async def prefill(
@@ -148,7 +172,7 @@ class AsyncEngine:
         cached = list(cached_block_ids or [])
         seq = Sequence(request_id, list(prompt_token_ids), params, SeqMode.PREFILL_ONLY)
         try:
-            self._validate(prompt_token_ids)
+            self._validate(prompt_token_ids, params, prefill_only=True)
             self._check_cached(len(prompt_token_ids) - 1, cached, num_cached_tokens)
         except BaseException:
             if cached:
@@ -177,7 +201,7 @@ class AsyncEngine:
         ``num_computed_tokens`` (default: the whole prompt) prompt tokens have K/V in the blocks; the first
         step then computes the remaining prompt tokens together with ``first_token_id`` (e.g. the part of
         a prompt that could not be read from the KV store)."""
-        self._validate(prompt_token_ids)
+        self._validate(prompt_token_ids, params)
         if not 0 <= first_token_id < self.lm.config.vocab_size:
             raise InvalidRequest(f"first_token_id {first_token_id} is outside the vocabulary [0, {self.lm.config.vocab_size})")
         n = len(prompt_token_ids) if num_computed_tokens is None else num_computed_tokens
@@ -188,15 +212,23 @@ class AsyncEngine:
         seq.num_computed_tokens = n
         return self._stream(seq)
 
-    async def allocate_blocks(self, num_blocks: int) -> list[int]:
-        """Reserve KV blocks (e.g. to receive a transfer into). Raises CapacityExhausted.
+    async def allocate_blocks(self, num_blocks: int, *, wait: bool = True) -> list[int]:
+        """Reserve KV blocks (e.g. to receive a transfer into).
 
-        Cancel-safe: blocks allocated for a caller that was cancelled meanwhile are freed."""
-        fut = self.core.allocate(num_blocks)
+        With ``wait`` (default) it waits its turn (FIFO) until the blocks are free: blocks held by leases,
+        store writes or running requests come back. Without ``wait`` it takes them only if free right now.
+
+        Raises:
+            InvalidRequest: more blocks than the whole pool.
+            CapacityExhausted: queue full or ``max_queue_wait_s`` passed (``wait``); not free now (no ``wait``).
+
+        Cancel-safe: a cancelled caller leaves the queue, and blocks it got meanwhile are freed."""
+        fut = self.core.allocate(num_blocks, wait)
         try:
             return await asyncio.shield(asyncio.wrap_future(fut))
         except asyncio.CancelledError:
-            fut.add_done_callback(self._free_if_allocated)
+            if not self.core.cancel_allocation(fut):
+                fut.add_done_callback(self._free_if_allocated)
             raise
 
     def _free_if_allocated(self, fut) -> None:
@@ -218,6 +250,10 @@ class AsyncEngine:
                 "kv_blocks_free": self.block_manager.num_free,
                 "requests_running": len(self.core.scheduler.running),
                 "requests_waiting": len(self.core.scheduler.waiting),
+                "kv_allocations_waiting": len(self.core.admission.waiters),
+                "queue_refused": self.core.admission.num_refused,
+                "queue_timeouts": self.core.admission.num_timed_out,
+                "kv_block_waits": self.core.admission.num_block_waits + self.core.scheduler.num_block_waits,
                 "engine_steps": self.core.num_steps,
                 "prefill_tokens": self.core.num_prefill_tokens,
                 "decode_tokens": self.core.num_decode_tokens,

@@ -3,6 +3,11 @@
 Every mutation of engine state happens on this thread. Other threads talk to it through a
 command queue (add, abort, allocate, free) and get results through callbacks, so a KV block is
 never freed while a forward pass may still write into it.
+
+When nothing can be scheduled (every waiting request or allocation needs blocks held elsewhere) the
+thread sleeps until the next command -- a free, an abort, a new request -- or until the next waiter
+reaches its queue bound (``splitserve.engine.admission``); it never spins and never fails a request
+that fits the pool for lack of free blocks right now.
 """
 
 from __future__ import annotations
@@ -11,13 +16,16 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable
 
+from splitserve.engine.admission import Admission
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.runner import ModelRunner
 from splitserve.engine.scheduler import Scheduler
 from splitserve.engine.sequence import Sequence, SeqMode
+from splitserve.errors import PdError, WorkerUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -39,10 +47,15 @@ class RequestOutput:
 
 
 class EngineCore:
-    def __init__(self, runner: ModelRunner, scheduler: Scheduler, emit: Callable[[list[RequestOutput]], None]) -> None:
+    """Args: ``max_queue_len`` / ``max_queue_wait_s`` bound the waiting queues (see ``Admission``);
+    ``clock`` (monotonic seconds) measures the waits."""
+
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, emit: Callable[[list[RequestOutput]], None],
+                 max_queue_len: int = 1024, max_queue_wait_s: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.runner = runner
         self.scheduler = scheduler
         self.block_manager: BlockManager = scheduler.block_manager
+        self.admission = Admission(scheduler, max_queue_len, max_queue_wait_s, clock)
         self._emit = emit
         self._commands: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="engine-core", daemon=True)
@@ -66,11 +79,25 @@ class EngineCore:
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
 
-    def allocate(self, num_blocks: int) -> concurrent.futures.Future:
-        """Future of ``num_blocks`` block ids (CapacityExhausted if the pool is short)."""
+    def allocate(self, num_blocks: int, wait: bool = True) -> concurrent.futures.Future:
+        """Future of ``num_blocks`` block ids. With ``wait`` it waits (FIFO, bounded) until they are free;
+        without, it fails at once with CapacityExhausted when they are not. InvalidRequest if more than the
+        pool. Give up with :meth:`cancel_allocation`."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put(("allocate", (num_blocks, fut)))
+        self._commands.put(("allocate", (num_blocks, fut, wait)))
         return fut
+
+    def cancel_allocation(self, fut: concurrent.futures.Future) -> bool:
+        """True when the allocation was cancelled before it got blocks (nothing to free); False when it
+        already has them (or an error): the caller frees what the future holds."""
+        if fut.cancel():
+            self.wake()  # the engine drops it from the queue and stops reserving blocks for it
+            return True
+        return False
+
+    def wake(self) -> None:
+        """Make a sleeping engine thread take one turn."""
+        self._commands.put(("wake", None))
 
     def free(self, block_ids: list[int]) -> None:
         self._commands.put(("free", list(block_ids)))
@@ -88,20 +115,31 @@ class EngineCore:
 
     # --- engine thread ---------------------------------------------------------------------
     def _run(self) -> None:
+        stalled = True
         while not self._stopped:
             try:
-                self._drain(block=not self.scheduler.has_work())
-                if self._stopped:
-                    break
-                if self.scheduler.has_work():
-                    self._step()
+                stalled = self.run_once(stalled)
             except Exception:  # keep serving: a failed step fails its requests, not the worker
                 logger.exception("engine step failed")
                 self._fail_all()
+        self.admission.fail_all(WorkerUnavailable("the engine stopped"))
 
-    def _drain(self, block: bool) -> None:
+    def run_once(self, stalled: bool) -> bool:
+        """One turn of the engine thread: apply commands, expire and serve waiters, run one step. Returns
+        whether it is stalled (nothing could be scheduled). When the previous turn stalled, or there is no
+        work, it first sleeps until a command arrives or the next waiter's bound is due -- it never spins.
+        (Tests call it directly with a fake runner, queued commands and an injected clock.)"""
+        block = stalled or not self.scheduler.has_work()
+        self._drain(block, self.admission.timeout() if block else None)
+        if self._stopped:
+            return True
+        self._expire()
+        self.admission.serve()
+        return not self._step() if self.scheduler.has_work() else True
+
+    def _drain(self, block: bool, timeout: float | None = None) -> None:
         try:
-            item = self._commands.get(block=block, timeout=None)
+            item = self._commands.get(block=block, timeout=timeout)
         except queue.Empty:
             return
         while item is not None:
@@ -118,7 +156,12 @@ class EngineCore:
     def _apply(self, item: tuple) -> None:
         kind, arg = item
         if kind == "add":
-            self.scheduler.add(arg)
+            try:
+                self.admission.enqueue(arg)
+            except PdError as exc:  # can never fit, or the queue is full
+                self._refuse(arg, exc)
+        elif kind == "wake":
+            pass
         elif kind == "abort":
             self.scheduler.abort(arg)
         elif kind == "free":
@@ -126,13 +169,7 @@ class EngineCore:
         elif kind == "incref":
             self.block_manager.incref(arg)
         elif kind == "allocate":
-            num_blocks, fut = arg
-            if not fut.set_running_or_notify_cancel():  # the caller gave up: allocate nothing
-                return
-            try:
-                fut.set_result(self.block_manager.allocate(num_blocks))
-            except Exception as exc:
-                fut.set_exception(exc)
+            self.admission.allocate(*arg)
         elif kind == "call":
             fn, fut = arg
             if not fut.set_running_or_notify_cancel():
@@ -142,12 +179,11 @@ class EngineCore:
             except Exception as exc:
                 fut.set_exception(exc)
 
-    def _step(self) -> None:
+    def _step(self) -> bool:
+        """One batch; False when nothing could be scheduled (everything waits for blocks held elsewhere)."""
         seqs, _ = self.scheduler.schedule()
         if not seqs:
-            if self.scheduler.waiting and not self.scheduler.running:
-                self._reject_unschedulable()
-            return
+            return False
         num_prefill = sum(s.num_step_tokens for s in seqs if s.num_computed_tokens < len(s.prompt_token_ids))
         num_decode = sum(s.num_step_tokens for s in seqs) - num_prefill
         try:
@@ -155,7 +191,7 @@ class EngineCore:
         except Exception as exc:
             logger.exception("forward pass failed for %d requests", len(seqs))
             self._fail(seqs, exc)
-            return
+            return True
         self.num_steps += 1
         self.num_prefill_tokens += num_prefill
         self.num_decode_tokens += num_decode
@@ -173,16 +209,20 @@ class EngineCore:
                 seq.block_table = []
             outputs.append(out)
         self._emit(outputs)
+        return True
 
-    def _reject_unschedulable(self) -> None:
-        from splitserve.errors import CapacityExhausted
+    def _expire(self) -> None:
+        expired = self.admission.expire()
+        if expired:
+            logger.warning("%d requests waited too long for KV blocks: %s", len(expired), expired[0][1])
+            self._emit([RequestOutput(seq.request_id, [], "abort", error=exc) for seq, exc in expired])
 
-        seq = self.scheduler.waiting.popleft()
-        if seq.block_table:  # e.g. prefix blocks loaded from the KV store
+    def _refuse(self, seq: Sequence, exc: PdError) -> None:
+        """Fail a request that was never queued; blocks it brought (e.g. prefix blocks from the KV store) are freed."""
+        if seq.block_table:
             self.block_manager.free(seq.block_table)
             seq.block_table = []
-        msg = f"request {seq.request_id} needs more KV blocks than the pool has ({self.block_manager.num_blocks})"
-        self._emit([RequestOutput(seq.request_id, [], "abort", error=CapacityExhausted(msg))])
+        self._emit([RequestOutput(seq.request_id, [], "abort", error=exc)])
 
     def _fail(self, seqs: list[Sequence], exc: Exception) -> None:
         for seq in seqs:

@@ -13,6 +13,12 @@ as long as budget is left. A long prompt therefore shares each step with the run
 instead of stalling them for its whole prefill. KV blocks for the whole prompt are reserved at
 admission, as in the unchunked path, so a chunked prompt never has to be preempted for its own
 blocks. A step that ends a prompt's last chunk samples its first token; earlier chunks sample nothing.
+
+Waiting requests are admitted in FIFO order as long as their blocks are free; one that does not fit waits
+(blocks held elsewhere come back with a free: see ``splitserve.engine.admission``). Admissions leave
+``reserved_blocks`` free for a waiting block allocation. Prefix blocks that requests behind the head hold
+while they wait (loaded from the KV store) are given up when that lets the head start, so waiting requests
+never hold each other's blocks forever.
 """
 
 from __future__ import annotations
@@ -40,11 +46,14 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.reserved_blocks = 0  # promised to a waiting block allocation: admissions leave them free
+        self.num_block_waits = 0  # requests that found too few free KV blocks at the head of the queue
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _blocks_needed(self, seq: Sequence) -> int:
+    def blocks_needed(self, seq: Sequence) -> int:
+        """KV blocks ``seq`` needs on top of its block table to feed all its tokens."""
         bs = self.config.block_size
         return max(0, -(-seq.num_tokens // bs) - len(seq.block_table))
 
@@ -87,12 +96,9 @@ class Scheduler:
             seq = self.waiting[0]
             if batch and num_tokens + seq.num_new_tokens > self.config.max_num_batched_tokens:
                 break
-            need = self._blocks_needed(seq)
-            if not self.block_manager.can_allocate(need):
+            if not self._can_admit(seq):
                 break
-            self.waiting.popleft()
-            seq.block_table += self.block_manager.allocate(need)
-            seq.status = SeqStatus.RUNNING
+            self._admit(seq)
             batch.append(seq)
             num_tokens += seq.num_new_tokens
         if batch:
@@ -104,7 +110,7 @@ class Scheduler:
         pending = list(self.running)
         while pending:
             seq = pending.pop(0)
-            need = self._blocks_needed(seq)
+            need = self.blocks_needed(seq)
             while not self.block_manager.can_allocate(need) and pending:
                 self._preempt(pending.pop())
             if not self.block_manager.can_allocate(need):
@@ -121,7 +127,7 @@ class Scheduler:
         while pending and budget > 0:
             seq = pending.pop(0)
             n = min(seq.num_new_tokens, budget)
-            need = self._blocks_needed(seq)
+            need = self.blocks_needed(seq)
             while not self.block_manager.can_allocate(need) and pending:
                 self._preempt(pending.pop())
             if not self.block_manager.can_allocate(need):
@@ -133,18 +139,39 @@ class Scheduler:
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            need = self._blocks_needed(seq)
-            if not self.block_manager.can_allocate(need):
+            if not self._can_admit(seq):
                 break
-            self.waiting.popleft()
-            seq.block_table += self.block_manager.allocate(need)
-            seq.status = SeqStatus.RUNNING
+            self._admit(seq)
             seq.num_scheduled_tokens = min(seq.num_new_tokens, budget)
             self.running.append(seq)
             scheduled.append(seq)
             budget -= seq.num_scheduled_tokens
         has_prefill = any(s.num_computed_tokens < len(s.prompt_token_ids) for s in scheduled)
         return scheduled, has_prefill
+
+    def _can_admit(self, seq: Sequence) -> bool:
+        """Whether the head of ``waiting`` can get its blocks now (leaving ``reserved_blocks`` free)."""
+        need = self.blocks_needed(seq) + self.reserved_blocks
+        if self.block_manager.can_allocate(need):
+            return True
+        behind = [s for s in self.waiting if s is not seq and s.block_table]
+        if behind and self.block_manager.num_free + sum(len(s.block_table) for s in behind) >= need:
+            for other in reversed(behind):  # the latest arrivals give up their prefix blocks first; they recompute it
+                self.block_manager.free(other.block_table)
+                other.block_table = []
+                other.num_computed_tokens = other.cached_tokens = 0
+                if self.block_manager.can_allocate(need):
+                    return True
+        if not seq.waited_for_blocks:  # held elsewhere (running, leases, transfers, store writes): wait for a free
+            seq.waited_for_blocks = True
+            self.num_block_waits += 1
+        return False
+
+    def _admit(self, seq: Sequence) -> None:
+        self.waiting.popleft()
+        seq.block_table += self.block_manager.allocate(self.blocks_needed(seq))
+        seq.status = SeqStatus.RUNNING
+        seq.queued_at = None
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

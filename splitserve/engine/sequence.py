@@ -41,6 +41,8 @@ class Sequence:
     finish_reason: str | None = None
     cached_tokens: int = 0
     num_scheduled_tokens: int = 0  # tokens fed by the current step (0 = all new tokens)
+    queued_at: float | None = None  # when it joined the waiting queue (engine clock); None once admitted
+    waited_for_blocks: bool = False  # found too few free KV blocks at the head of the queue at least once
 
     @property
     def token_ids(self) -> list[int]:
