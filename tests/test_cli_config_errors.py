@@ -11,9 +11,9 @@ from splitserve import cli, launcher
 
 CASES = [
     # (argv, fragment of the error)
-    (["decode", "--block-size", "0"], "engine settings must be positive"),
-    (["decode", "--max-num-seqs", "0"], "engine settings must be positive"),
-    (["decode", "--kv-cache-mb", "-1"], "engine settings must be positive"),
+    (["decode", "--block-size", "0"], "--block-size must be >= 1, got 0"),
+    (["decode", "--max-num-seqs", "0"], "--max-num-seqs must be >= 1, got 0"),
+    (["decode", "--kv-cache-mb", "-1"], "--kv-cache-mb must be >= 1, got -1"),
     (["decode", "--port", "70000"], "--port must be a TCP port in [0, 65535]"),
     (["decode", "--kv-transfer-timeout-s", "0"], "kv_transfer_timeout_s must be > 0"),
     (["decode", "--metrics-port", "-2"], "metrics_port must be"),
@@ -24,7 +24,7 @@ CASES = [
     (["prefill", "--data-port", "65536"], "--data-port must be a TCP port"),
     (["prefill", "--kv-lease-s", "0"], "kv_lease_s must be > 0"),
     (["prefill", "--data-advertise", "nohost"], "data_advertise"),
-    (["prefill", "--max-num-batched-tokens", "0"], "engine settings must be positive"),
+    (["prefill", "--max-num-batched-tokens", "0"], "--max-num-batched-tokens must be >= 1, got 0"),
     (["router", "--disagg", "foo"], "--disagg must be 'always', 'auto' or a token count, got 'foo'"),
     (["router", "--http-port", "99999"], "--http-port must be a TCP port"),
     (["router", "--grpc-port", "-5"], "--grpc-port must be a TCP port"),
@@ -34,7 +34,7 @@ CASES = [
     (["router", "--tls-cert", "/nope/cert.pem", "--tls-key", "/nope/key.pem"], "TLS: file not found: /nope/cert.pem"),
     (["router", "--tls-cert", "/etc/hostname"], "--tls-cert and --tls-key must be given together"),
     (["router", "--tls-client-auth"], "mutual TLS (--tls-client-auth) needs --tls-ca"),
-    (["colocated", "--block-size", "0"], "engine settings must be positive"),
+    (["colocated", "--block-size", "0"], "--block-size must be >= 1, got 0"),
     (["colocated", "--http-port", "65536"], "--http-port must be a TCP port"),
     (["colocated", "--tls-ca", "/nope/ca.pem"], "TLS: file not found"),
     (["kvstore-master", "--replicas", "0"], "default_replicas must be in [1, 16]"),
@@ -44,7 +44,7 @@ CASES = [
     (["kvstore-node", "--data-port", "-1"], "--data-port must be a TCP port"),
     (["up", "--prefill", "0"], "need at least one prefill and one decode worker"),
     (["up", "--store-nodes", "-1"], "--store-nodes must be >= 0"),
-    (["up", "--block-size", "0"], "prefill-0: engine settings must be positive"),
+    (["up", "--block-size", "0"], "prefill-0: --block-size must be >= 1, got 0"),
     (["up", "--http-port", "99999"], "router: --http-port must be a TCP port"),
     (["up", "--disagg", "foo"], "router: --disagg must be"),
     (["up", "--store-mb", "0"], "kvstore-node-0: segment_mb must be >= 1"),
@@ -113,8 +113,8 @@ def test_a_real_process_prints_no_traceback() -> None:
     proc = subprocess.run([sys.executable, "-m", "splitserve.cli", "decode", "--num-blocks", "-1"], capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert proc.stderr.strip().splitlines()[-1] == "splitserve decode: error: unrecognized arguments: --num-blocks -1"
+    assert proc.stderr.strip().splitlines()[-1] == "splitserve decode: error: --num-blocks must be >= 0 (0: as many as --kv-cache-mb holds), got -1"
     proc = subprocess.run([sys.executable, "-m", "splitserve.cli", "decode", "--block-size", "0"], capture_output=True,
                           text=True, timeout=120)
-    assert proc.returncode == 2 and proc.stderr.startswith("splitserve decode: error: engine settings must be positive")
+    assert proc.returncode == 2 and proc.stderr.startswith("splitserve decode: error: --block-size must be >= 1, got 0")
     assert "Traceback" not in proc.stderr

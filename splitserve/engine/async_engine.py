@@ -36,10 +36,18 @@ class EngineConfig:
     max_queue_wait_s: float = 30.0  # a request still waiting after this fails with RESOURCE_EXHAUSTED (inf: never)
 
     def __post_init__(self) -> None:
-        if self.block_size < 1 or self.kv_cache_mb < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
-            raise ValueError(f"engine settings must be positive: {self}")
-        if self.num_blocks < 0 or self.max_queue_len < 1 or not self.max_queue_wait_s > 0:
-            raise ValueError(f"num_blocks must be >= 0, max_queue_len >= 1 and max_queue_wait_s > 0: {self}")
+        """Raises ValueError naming the first setting out of range (flag spelling, as the CLI prints it)."""
+        for flag, value, ok, want in (
+            ("--block-size", self.block_size, self.block_size >= 1, ">= 1"),
+            ("--kv-cache-mb", self.kv_cache_mb, self.kv_cache_mb >= 1, ">= 1"),
+            ("--max-num-seqs", self.max_num_seqs, self.max_num_seqs >= 1, ">= 1"),
+            ("--max-num-batched-tokens", self.max_num_batched_tokens, self.max_num_batched_tokens >= 1, ">= 1"),
+            ("--num-blocks", self.num_blocks, self.num_blocks >= 0, ">= 0 (0: as many as --kv-cache-mb holds)"),
+            ("--max-queue-len", self.max_queue_len, self.max_queue_len >= 1, ">= 1"),
+            ("--max-queue-wait-s", self.max_queue_wait_s, self.max_queue_wait_s > 0, "> 0"),
+        ):
+            if not ok:
+                raise ValueError(f"{flag} must be {want}, got {value}")
 
 
 class AsyncEngine:
