@@ -136,6 +136,10 @@ def _up(argv: list[str]) -> int:
         usage_error("up", "--kv-transfer-mode store needs the KV store (drop --no-store, --store-nodes >= 1)")
     if store_nodes < 0:
         usage_error("up", f"--store-nodes must be >= 0, got {store_nodes}")
+    if store_nodes and a.store_replicas > store_nodes:
+        usage_error("up", f"--store-replicas {a.store_replicas} needs at least as many storage nodes (--store-nodes {store_nodes})")
+    if a.http_port and a.http_port == a.grpc_port:
+        usage_error("up", f"--http-port and --grpc-port must differ, both are {a.http_port}")
     if not a.shutdown_grace_s >= 0:
         usage_error("up", f"--shutdown-grace-s must be >= 0, got {a.shutdown_grace_s}")
     setup_logging("up")

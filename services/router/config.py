@@ -45,6 +45,8 @@ class RouterConfig:
             raise ValueError("the router needs at least one --prefill and one --decode worker address")
         check_port("--http-port", self.http_port)
         check_port("--grpc-port", self.grpc_port)
+        if self.http_port and self.http_port == self.grpc_port:
+            raise ValueError(f"--http-port and --grpc-port must differ, both are {self.http_port}")
         from splitserve.services.router.policies import POLICIES
 
         if self.prefill_timeout_s <= 0:

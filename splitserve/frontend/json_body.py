@@ -51,7 +51,8 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
         ) from None
     text = text.removeprefix("\ufeff")
     try:
-        data = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float, object_pairs_hook=_unique_keys)
+        data = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float, parse_int=_bounded_int,
+                          object_pairs_hook=_unique_keys)
     except RecursionError:
         raise _too_deep() from None
     except APIError:
@@ -75,6 +76,14 @@ def _finite_float(literal: str) -> float:
     if not math.isfinite(value):
         raise APIError(f"We could not parse the JSON body of your request: the number {literal[:40]} is out of range.")
     return value
+
+
+def _bounded_int(literal: str) -> int:
+    """JSON integers longer than Python's int-from-string limit (4,300 digits) are out of range, said plainly."""
+    if len(literal.lstrip("-")) > 4000:
+        raise APIError(f"We could not parse the JSON body of your request: the integer {literal[:20]}... "
+                       f"({len(literal)} digits) is out of range.")
+    return int(literal)
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
