@@ -5,6 +5,7 @@ Real gRPC servers on loopback; real processes only for the launcher (tiny Python
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 import time
 
@@ -20,6 +21,7 @@ from starlette.routing import Route
 from splitserve.engine.sampling import SamplingParams
 from splitserve.errors import StreamStalled, WorkerUnavailable
 from splitserve.frontend.draining import DrainMiddleware
+from splitserve.frontend.sse import SSEResponse, sse_event
 from splitserve.launcher import Child, Cluster, free_port
 from splitserve.rpc import keepalive
 from splitserve.rpc.keepalive import KeepaliveConfig, keepalive_from_env
@@ -202,6 +204,40 @@ async def test_http_requests_during_a_drain():
         release.set()
         assert (await running).content == b"ab"  # the request in flight completes
     assert drain.active == 0
+
+
+async def test_sse_streams_still_open_when_the_grace_period_ends_get_an_error_event_and_done():
+    """No silently truncated stream: at the grace period's end an SSE stream sends a shutting_down error event,
+    then [DONE], then ends the body (the backend stream is closed)."""
+    drain = Drain()
+    closed = asyncio.Event()
+
+    async def events():
+        try:
+            yield sse_event({"choices": [{"text": "a"}]})
+            await asyncio.Event().wait()  # a stream that would go on past the grace period
+            yield sse_event({"choices": [{"text": "never"}]})
+        finally:
+            closed.set()
+
+    async def stream(request):
+        return SSEResponse(events())
+
+    app = DrainMiddleware(Starlette(routes=[Route("/v1/completions", stream, methods=["POST"])]), drain)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://r") as http:
+        running = asyncio.ensure_future(http.post("/v1/completions"))
+        while drain.active == 0:
+            await asyncio.sleep(0.01)
+        drain.begin()
+        await asyncio.sleep(0.05)
+        assert not running.done()  # draining alone does not cut a stream
+        drain.expired.set()  # what serve_until_signalled does when the grace period runs out
+        body = (await asyncio.wait_for(running, 5)).text
+    events_seen = [line[len("data: "):] for line in body.split("\n\n") if line]
+    assert events_seen[0] == '{"choices": [{"text": "a"}]}'
+    assert json.loads(events_seen[1])["error"]["code"] == "shutting_down"
+    assert events_seen[2:] == ["[DONE]"]
+    assert closed.is_set() and drain.active == 0
 
 
 # ------------------------------------------------------------------------------------------- stall guard

@@ -11,6 +11,7 @@ from typing import Collection
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from splitserve.frontend.errors import APIError, error_response
+from splitserve.frontend.sse import SHUTDOWN_EXTENSION
 from splitserve.rpc.shutdown import Drain
 
 EXEMPT = ("/metrics", "/v1/workers")
@@ -32,6 +33,8 @@ class DrainMiddleware:
             response.headers["Connection"] = "close"
             await response(scope, receive, send)
             return
+        # the grace period's end, for SSE streams still open then (splitserve.frontend.sse.SSEResponse)
+        scope = {**scope, "extensions": {**(scope.get("extensions") or {}), SHUTDOWN_EXTENSION: self.drain.expired}}
         try:
             await self.app(scope, receive, send)
         finally:

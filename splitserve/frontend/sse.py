@@ -19,6 +19,10 @@ from starlette.types import Receive, Scope, Send
 T = TypeVar("T")
 
 DONE = "data: [DONE]\n\n"
+#: ASGI scope extension: an asyncio.Event set when a graceful shutdown's grace period ran out
+SHUTDOWN_EXTENSION = "splitserve.shutdown"
+SHUTDOWN_ERROR = {"error": {"message": "the server shut down before this stream finished (grace period over); retry",
+                            "type": "server_error", "param": None, "code": "shutting_down"}}
 
 
 def sse_event(payload: Any) -> str:
@@ -75,6 +79,7 @@ class SSEResponse:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Stream the events to the client."""
         raw = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in self._headers.items()]
+        shutdown = (scope.get("extensions") or {}).get(SHUTDOWN_EXTENSION)
         try:
             async with anyio.create_task_group() as tg:
 
@@ -85,8 +90,21 @@ class SSEResponse:
                 tg.start_soon(watch)
                 try:
                     await send({"type": "http.response.start", "status": 200, "headers": raw})
-                    async for event in self._events:
-                        await send({"type": "http.response.body", "body": event.encode("utf-8"), "more_body": True})
+                    with anyio.CancelScope() as stream_scope:
+                        if shutdown is not None:
+
+                            async def cut_at_shutdown() -> None:
+                                await shutdown.wait()
+                                stream_scope.cancel()
+
+                            tg.start_soon(cut_at_shutdown)
+                        async for event in self._events:
+                            await send({"type": "http.response.body", "body": event.encode("utf-8"), "more_body": True})
+                    if stream_scope.cancelled_caught:  # the grace period ran out: say so, then end cleanly
+                        with anyio.CancelScope(shield=True):
+                            await self._events.aclose()
+                        tail = sse_event(SHUTDOWN_ERROR) + DONE
+                        await send({"type": "http.response.body", "body": tail.encode("utf-8"), "more_body": True})
                     await send({"type": "http.response.body", "body": b"", "more_body": False})
                 except OSError:  # the client went away while we were writing
                     pass

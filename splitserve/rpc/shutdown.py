@@ -47,6 +47,7 @@ class Drain:
     def __init__(self) -> None:
         self.draining = False
         self.active = 0
+        self.expired = asyncio.Event()  # set when the grace period ran out: streams still open end now
 
     def begin(self) -> None:
         self.draining = True
@@ -163,6 +164,8 @@ async def serve_until_signalled(
     else:
         logger.warning("%s: %d call(s) still in flight after %.1f s; cancelling them", name, drain.active,
                        time.monotonic() - t0)
+        drain.expired.set()  # HTTP streams end with an SSE error event + [DONE] (SSEResponse)
+        await asyncio.sleep(0)
         await server.stop(grace=0)
 
 
