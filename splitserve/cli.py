@@ -81,7 +81,13 @@ def _serve(command: str, argv: list[str]) -> None:
         check_settings(command, argv)
     except ValueError as exc:
         usage_error(command, exc)
-    importlib.import_module(SERVERS[command][0]).main(argv)
+    from splitserve.rpc.server import BindError
+
+    try:
+        importlib.import_module(SERVERS[command][0]).main(argv)
+    except BindError as exc:  # e.g. the port is taken: one line, not a traceback
+        print(f"splitserve {command}: error: {exc}", file=sys.stderr)
+        sys.exit(1)
 
 
 def _child_command(argv: list[str]) -> tuple[str, list[str]]:

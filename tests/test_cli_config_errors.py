@@ -120,3 +120,19 @@ def test_a_real_process_prints_no_traceback() -> None:
                           text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr.startswith("splitserve decode: error: --block-size must be >= 1, got 0")
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.integration
+def test_a_port_in_use_is_one_error_line_not_a_traceback() -> None:
+    """A server whose gRPC port is taken exits 1 with one line naming the address (kvstore-master: no torch import)."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-m", "splitserve.cli", "kvstore-master", "--port", str(port), "--metrics-port", "-1"],
+                              capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"splitserve kvstore-master: error: cannot listen on 127.0.0.1:{port} (gRPC): the port is in use or the address is not local")

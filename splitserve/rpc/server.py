@@ -81,15 +81,26 @@ def create_server(
     return server, health_servicer
 
 
+class BindError(OSError):
+    """A server could not listen on its address (port in use, address not local); the CLI prints it as one line."""
+
+
 def bind(server: grpc.aio.Server, host: str, port: int, tls: TlsConfig | None = None) -> int:
-    """Bind on host:port (0 = any free port), with TLS when ``tls`` is enabled; returns the bound port."""
+    """Bind on host:port (0 = any free port), with TLS when ``tls`` is enabled; returns the bound port.
+
+    Raises:
+        BindError: the address cannot be bound (grpcio raises RuntimeError or returns 0).
+    """
     address = f"{host}:{port}"
-    if tls is not None and tls.enabled:
-        bound = server.add_secure_port(address, tls.server_credentials())
-    else:
-        bound = server.add_insecure_port(address)
+    try:
+        if tls is not None and tls.enabled:
+            bound = server.add_secure_port(address, tls.server_credentials())
+        else:
+            bound = server.add_insecure_port(address)
+    except RuntimeError:
+        bound = 0
     if bound == 0:
-        raise OSError(f"cannot bind gRPC server to {address}")
+        raise BindError(f"cannot listen on {address} (gRPC): the port is in use or the address is not local")
     return bound
 
 
