@@ -206,7 +206,9 @@ def test_killed_prefill_worker_fails_nothing_goes_down_and_comes_back(rcluster):
 
     with cf.ThreadPoolExecutor(6) as ex:
         futures = [ex.submit(one, i) for i in range(24)]
-        time.sleep(0.5)
+        deadline = time.monotonic() + 60
+        while sum(f.done() for f in futures) < 4 and time.monotonic() < deadline:  # load running (a fixed sleep
+            time.sleep(0.01)  # was too long on a quiet machine: most requests had finished before the kill)
         pending = sum(not f.done() for f in futures)
         victim.proc.send_signal(signal.SIGKILL)
         statuses = [f.result() for f in futures]
