@@ -110,15 +110,22 @@ class Scheduler:
         pending = list(self.running)
         while pending:
             seq = pending.pop(0)
-            need = self.blocks_needed(seq)
-            while not self.block_manager.can_allocate(need) and pending:
-                self._preempt(pending.pop())
-            if not self.block_manager.can_allocate(need):
-                self._preempt(seq)
+            if not self._grow_or_preempt(seq, pending):
                 continue
-            seq.block_table += self.block_manager.allocate(need)
             scheduled.append(seq)
         return scheduled
+
+    def _grow_or_preempt(self, seq: Sequence, pending: list[Sequence]) -> bool:
+        """Give running ``seq`` the blocks its next step needs, preempting the most recent of ``pending`` (popped
+        from its end) until they fit; if they still do not fit, preempt ``seq`` itself. Returns True when grown."""
+        need = self.blocks_needed(seq)
+        while not self.block_manager.can_allocate(need) and pending:
+            self._preempt(pending.pop())
+        if not self.block_manager.can_allocate(need):
+            self._preempt(seq)
+            return False
+        seq.block_table += self.block_manager.allocate(need)
+        return True
 
     def _schedule_chunked(self) -> tuple[list[Sequence], bool]:
         budget = self.config.max_num_batched_tokens
@@ -127,13 +134,8 @@ class Scheduler:
         while pending and budget > 0:
             seq = pending.pop(0)
             n = min(seq.num_new_tokens, budget)
-            need = self.blocks_needed(seq)
-            while not self.block_manager.can_allocate(need) and pending:
-                self._preempt(pending.pop())
-            if not self.block_manager.can_allocate(need):
-                self._preempt(seq)
+            if not self._grow_or_preempt(seq, pending):
                 continue
-            seq.block_table += self.block_manager.allocate(need)
             seq.num_scheduled_tokens = n
             scheduled.append(seq)
             budget -= n
