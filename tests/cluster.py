@@ -71,3 +71,18 @@ class Colocated:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+
+def read_up_banner(proc, timeout_s: float = 150) -> list[str]:
+    """Lines printed by a `splitserve up` process (stdout piped, text mode) up to and including its
+    "Ctrl-C stops the cluster" banner, or until it exits or ``timeout_s`` passes (the caller asserts on them)."""
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if "Ctrl-C stops the cluster" in line:
+            break
+    return lines

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from splitserve.launcher import free_port
-from tests.cluster import TEST_ENV
+from tests.cluster import TEST_ENV, read_up_banner
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -37,15 +37,7 @@ def test_up_serves_and_stops_cleanly():
         env={**os.environ, **TEST_ENV}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:
-        lines = []
-        deadline = time.monotonic() + 150
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if "Ctrl-C stops the cluster" in line:
-                break
+        lines = read_up_banner(proc)
         out = "".join(lines)
         assert f"http://127.0.0.1:{http_port}/v1" in out, out
         kids = _children(proc.pid)

@@ -32,7 +32,7 @@ from splitserve.launcher import Child, free_port
 from splitserve.rpc.server import channel
 from splitserve.rpc.tls import TlsConfig
 from tests.certs import make_pki, tls_env
-from tests.cluster import TEST_ENV, grpc_address, start_cluster
+from tests.cluster import TEST_ENV, grpc_address, read_up_banner, start_cluster
 from tests.test_e2e_kvstore import STORIES
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -209,15 +209,7 @@ def test_up_with_tls_env_brings_up_a_healthy_cluster_with_the_store(pki):
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:
-        lines = []
-        deadline = time.monotonic() + 150
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if "Ctrl-C stops the cluster" in line:
-                break
+        lines = read_up_banner(proc)
         out = "".join(lines)
         assert "mutual TLS on every gRPC hop" in out, out
         store = [l for l in lines if l.strip().startswith("kvstore-")]

@@ -24,7 +24,7 @@ from splitserve.launcher import free_port
 from splitserve.model import load_model
 from splitserve.paths import default_model_path
 from splitserve.telemetry.receiver import STATUS_ERROR, OTLPReceiver
-from tests.cluster import TEST_ENV, start_cluster
+from tests.cluster import TEST_ENV, read_up_banner, start_cluster
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -246,15 +246,7 @@ def test_up_trace_wires_every_process_and_prints_metrics_endpoints():
             env={**os.environ, **TEST_ENV, **FAST_EXPORT}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
         try:
-            lines = []
-            deadline = time.monotonic() + 150
-            while time.monotonic() < deadline:
-                line = proc.stdout.readline()
-                if not line:
-                    break
-                lines.append(line)
-                if "Ctrl-C stops the cluster" in line:
-                    break
+            lines = read_up_banner(proc)
             out = "".join(lines)
             assert f"OTLP to {receiver.endpoint}" in out, out
             urls = [w for line in lines for w in line.split() if w.endswith("/metrics")]
