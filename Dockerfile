@@ -18,7 +18,6 @@ RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
 WORKDIR /opt/splitserve
 COPY pyproject.toml README.md ./
 COPY splitserve/ splitserve/
-COPY services/ services/
 COPY gen/ gen/
 COPY protos/ protos/
 COPY models/ models/

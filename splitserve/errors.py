@@ -41,7 +41,7 @@ class StreamStalled(WorkerUnavailable):
 
 class DeadlineExceeded(PdError):
     """The request's deadline passed before it finished (DEADLINE_EXCEEDED, HTTP 504)."""
-# --- KV store (services/kvstore, splitserve/kvstore) ---------------------------------------------------
+# --- KV store (splitserve/services/kvstore, splitserve/kvstore) ---------------------------------------------------
 
 
 class StoreError(PdError):

@@ -122,7 +122,7 @@ def test_gpu_overlay_patch_applies(resources):
 
 def test_every_variable_set_is_read_by_someone(resources):
     used = set()
-    for folder in ("splitserve", "services"):
+    for folder in ("splitserve",):
         for path in (K8S.parents[1] / folder).rglob("*.py"):
             used |= set(re.findall(r"""["'](PD_[A-Z0-9_]+)["']""", path.read_text()))
     set_vars = set()

@@ -1,4 +1,4 @@
-"""Client side of the distributed KV-cache store (services/kvstore): block hashing, the store client
+"""Client side of the distributed KV-cache store (splitserve/services/kvstore): block hashing, the store client
 (master over gRPC, object bytes over UCX), and whole-KV-block load/save for an engine's cache.
 
 Modules: ``block_hash`` (keys), ``client`` (KVStoreClient), ``data_client`` (UCX data plane, on the UCX

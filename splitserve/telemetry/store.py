@@ -1,4 +1,4 @@
-"""Spans and metrics for the KV-cache store (``services/kvstore``) and its clients.
+"""Spans and metrics for the KV-cache store (``splitserve/services/kvstore``) and its clients.
 
 Use :func:`observe_store_op` around a put or get of KV blocks (span ``kv_store.put`` /
 ``kv_store.get``: keys, bytes, hit/miss counts), :func:`record_lookup` for every block looked up,
