@@ -46,8 +46,14 @@ GRPC_OPTIONS = _limits()
 
 
 def server_options() -> list[tuple[str, int]]:
-    # keepalive: clients of hung or vanished peers are detected and their handlers cancelled (splitserve.rpc.keepalive)
-    return [*_limits(), *keepalive.current().server_options()]
+    return [
+        *_limits(),
+        # keepalive: clients of hung or vanished peers are detected and their handlers cancelled (splitserve.rpc.keepalive)
+        *keepalive.current().server_options(),
+        # grpcio sets SO_REUSEPORT by default: a second server on a used port would then come up silently and
+        # take part of the first one's connections. One server per port: the second bind fails (BindError).
+        ("grpc.so_reuseport", 0),
+    ]
 
 
 def channel_options() -> list[tuple[str, int]]:
