@@ -68,6 +68,7 @@ def _handler():
         "Echo": grpc.unary_unary_rpc_method_handler(_echo_async, **ident),
         "Count": grpc.unary_stream_rpc_method_handler(_count, **ident),
         "Broken": grpc.unary_unary_rpc_method_handler(_broken, **ident),
+        "GetStats": grpc.unary_unary_rpc_method_handler(_echo_async, **ident),
     })
 
 
@@ -96,6 +97,15 @@ async def test_context_crosses_the_hop_and_health_checks_are_not_traced(spans, e
     assert server.parent.span_id == client.context.span_id
     assert server.context.trace_id == caller.get_span_context().trace_id
     assert not [s for s in spans.all() if "Health" in s.name]
+
+
+async def test_stats_polls_are_not_traced(spans, echo):
+    """The router polls every worker's GetStats once a second: neither side exports a span for it."""
+    with tracer().start_as_current_span("caller"):
+        assert await echo.unary_unary("/test.Echo/GetStats")(b"poll") == b"poll"
+        assert await echo.unary_unary("/test.Echo/Echo")(b"hi") == b"hi"
+    await wait_for(lambda: len([s for s in spans.all() if s.name == "/test.Echo/Echo"]) == 2)
+    assert not [s for s in spans.all() if s.name.endswith("/GetStats")]
 
 
 async def test_stream_cancelled_by_the_client_ends_both_spans(spans, echo):

@@ -15,7 +15,8 @@ Built on ``opentelemetry-instrumentation-grpc`` (its ``aio_server_interceptor`` 
   span only when the stream's iterator is garbage collected. Client spans of calls cancelled by
   this process carry ``rpc.grpc.status_code`` 1 but no ERROR status: the caller chose to stop.
 
-Health checks (``grpc.health.v1.Health``) are never traced, nor are services listed in
+Health checks (``grpc.health.v1.Health``) and ``GetStats`` calls (the router's once-a-second worker
+polls; they were 84% of exported spans) are never traced, nor are services listed in
 ``OTEL_PYTHON_GRPC_EXCLUDED_SERVICES``. Both functions return ``[]`` while tracing is off.
 """
 
@@ -42,14 +43,16 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode, set_span_in_
 from splitserve.telemetry.tracing import tracing_enabled
 
 RPC_GRPC_STATUS_CODE = "rpc.grpc.status_code"
+#: the stats RPC every worker and store service answers; polled by the router, never traced
+POLL_METHOD = "GetStats"
 
 #: ``with untraced(): ...`` -- calls made inside (and in tasks created inside) get no RPC/HTTP spans
 untraced = suppress_instrumentation
 
 
 def _filter():
-    """Trace everything except health checks and ``OTEL_PYTHON_GRPC_EXCLUDED_SERVICES``."""
-    excluded = [filters.health_check()]
+    """Trace everything except health checks, ``GetStats`` polls and ``OTEL_PYTHON_GRPC_EXCLUDED_SERVICES``."""
+    excluded = [filters.health_check(), filters.method_name(POLL_METHOD)]
     excluded += [filters.service_name(s.strip()) for s in os.environ.get("OTEL_PYTHON_GRPC_EXCLUDED_SERVICES", "").split(",") if s.strip()]
     return filters.negate(filters.any_of(*excluded))
 
