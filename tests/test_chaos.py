@@ -388,6 +388,9 @@ async def test_prefill_killed_mid_prefill(chaos, references):
 
 async def test_unreachable_kv_data_endpoint_falls_back_within_the_timeout(chaos, references):
     """prefill-0 comes back advertising a KV data endpoint nobody listens on (its gRPC control path works)."""
+    if chaos.p0.proc.poll() is None:  # run alone (not after the kill test): stop the original prefill-0 first
+        chaos.p0.proc.kill()
+        chaos.p0.proc.wait()
     dead = free_port()
     chaos.p0.argv = [*chaos.p0.argv, "--data-advertise", f"127.0.0.1:{dead}"]
     chaos.cluster.start_child(chaos.p0)
