@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from splitserve.bench import arrivals
-from splitserve.bench.workloads import azure, mooncake, synthetic_fixed, synthetic_mixed
+from splitserve.bench.workloads import azure, fit_to_context, mooncake, synthetic_fixed, synthetic_mixed
 from splitserve.paths import REPO_ROOT
 
 VOCAB = list(range(10, 500))
@@ -79,9 +79,8 @@ def test_azure_csv_replay(tmp_path):
     assert w.arrivals_s == pytest.approx([0.0, 0.25, 1.0101], abs=1e-3)
 
 
-@pytest.mark.skipif(not (REPO_ROOT.parent / "shared" / "traces").is_dir(), reason="shared traces not present")
 def test_real_mooncake_trace_keeps_prefix_sharing():
-    f = REPO_ROOT.parent / "shared" / "traces" / "mooncake_fast25_synthetic_trace.jsonl"
+    f = REPO_ROOT / "benchmarks" / "traces" / "mooncake_fast25_synthetic_trace.jsonl"  # shipped
     w = mooncake(f, VOCAB, seed=0, input_scale=32)
     assert len(w.requests) == 3993 and 0.6 < w.info["reused_block_fraction"] < 0.7  # SOURCES.md: 64%
     by_first = {}
@@ -102,3 +101,24 @@ def test_arrivals_are_seeded_and_have_the_requested_rate():
     assert arrivals.from_timestamps([10.0, 12.0, 11.0], 3.0) == [0.0, 6.0, 3.0]
     with pytest.raises(ValueError):
         arrivals.poisson(0, 3, 0)
+
+
+def test_fit_to_context_cuts_prompts_then_outputs():
+    w = synthetic_fixed(VOCAB, 3, seed=0, prompt_tokens=600, output_tokens=100)
+    fitted, cut = fit_to_context(w, 512)
+    assert cut == 3
+    assert all(len(r.prompt_token_ids) + r.max_tokens <= 512 for r in fitted.requests)
+    assert fitted.requests[0].prompt_token_ids == w.requests[0].prompt_token_ids[:len(fitted.requests[0].prompt_token_ids)]
+    assert fitted.info["truncated_to_context"] == 3
+    same, none_cut = fit_to_context(w, 4096)
+    assert same is w and none_cut == 0
+    with pytest.raises(ValueError, match="max_model_len"):
+        fit_to_context(w, 1)
+
+
+def test_a_missing_trace_is_one_line_naming_where_it_goes(tmp_path):
+    from splitserve.bench.cli import main
+
+    with pytest.raises(SystemExit, match="no trace file at .*nope.jsonl"):
+        main(["--workload", "mooncake", "--trace", str(tmp_path / "nope.jsonl"), "--model", "synthetic:llama-tiny",
+              "--url", "http://127.0.0.1:9"])

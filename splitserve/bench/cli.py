@@ -15,7 +15,8 @@ from splitserve.bench.metrics import SLO
 from splitserve.bench.report import RunResult, comparison_table, workload_line, write_results
 from splitserve.paths import REPO_ROOT
 
-TRACES = REPO_ROOT.parent / "shared" / "traces"
+TRACES = REPO_ROOT / "benchmarks" / "traces"  # shipped with their sources and licenses (SOURCES.md there)
+DEFAULT_COMPARE_MODEL = "synthetic:llama-25m"
 DEFAULT_TRACES = {"mooncake": TRACES / "mooncake_fast25_synthetic_trace.jsonl", "azure": TRACES / "azure_llm_2023_code.csv"}
 
 USAGE = """splitserve bench [run options]          benchmark a running OpenAI-compatible endpoint (--url)
@@ -34,8 +35,9 @@ def _range(text: str) -> tuple[int, int]:
 
 def add_workload_args(ap: argparse.ArgumentParser) -> None:
     env = os.environ.get
-    ap.add_argument("--model", default=env("PD_MODEL", "synthetic:llama-25m"),
-                    help="model path or synthetic:NAME (its tokenizer builds prompts; its name is the request's model)")
+    ap.add_argument("--model", default=env("PD_MODEL") or None,
+                    help="model path or synthetic:NAME (its tokenizer builds prompts; its name is the request's model); "
+                         "default: bench, the model the endpoint serves (GET /v1/models); compare, " + DEFAULT_COMPARE_MODEL)
     ap.add_argument("--served-model-name", help="model name the server answers to (default: from --model)")
     ap.add_argument("--workload", choices=["mixed", "fixed", "mooncake", "azure"], default="mixed")
     ap.add_argument("--num-requests", type=int, default=60, help="requests (for traces: the most to replay)")
@@ -49,7 +51,7 @@ def add_workload_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--prompt-tokens", type=int, default=128, help="fixed: prompt tokens")
     g.add_argument("--output-tokens", type=int, default=64, help="fixed: output tokens")
     t = ap.add_argument_group("trace replay")
-    t.add_argument("--trace", help="trace file (default: the mooncake/azure file in ../shared/traces)")
+    t.add_argument("--trace", help="trace file (default: the mooncake/azure file in benchmarks/traces)")
     t.add_argument("--trace-start", type=int, default=0, help="first trace record to replay")
     t.add_argument("--input-scale", type=float, help="divide prompt lengths by this (mooncake 32, azure 4 by default)")
     t.add_argument("--output-scale", type=float, default=1.0, help="divide output lengths by this")
@@ -85,11 +87,22 @@ def build_workload(a: argparse.Namespace, lm) -> wl.Workload:
                                   document_prompt=a.document_prompt, document_output=a.document_output)
     if a.workload == "fixed":
         return wl.synthetic_fixed(vocab, a.num_requests, a.seed, a.prompt_tokens, a.output_tokens)
-    path = Path(a.trace) if a.trace else DEFAULT_TRACES[a.workload]
+    path = trace_path(a)
     build = wl.mooncake if a.workload == "mooncake" else wl.azure
     scale = a.input_scale or (32.0 if a.workload == "mooncake" else 4.0)
     return build(path, vocab, a.seed, input_scale=scale, output_scale=a.output_scale, time_scale=a.time_scale,
                  max_requests=a.num_requests, start=a.trace_start, max_model_len=lm.max_model_len)
+
+
+def trace_path(a: argparse.Namespace) -> Path | None:
+    """The trace file of a trace workload (None for synthetic ones); exits with one line if it is missing."""
+    if a.workload not in DEFAULT_TRACES:
+        return None
+    path = Path(a.trace) if a.trace else DEFAULT_TRACES[a.workload]
+    if not path.is_file():
+        raise SystemExit(f"splitserve bench: error: no trace file at {path} (the {a.workload} trace ships in benchmarks/traces; "
+                         "or give --trace FILE)")
+    return path
 
 
 def arrival_plan(a: argparse.Namespace, workload: wl.Workload) -> tuple[list[float] | None, int | None, str]:
@@ -127,10 +140,16 @@ def run_main(argv: list[str]) -> int:
     ap.add_argument("--label", default="server", help="name of this configuration in the report")
     add_workload_args(ap)
     a = ap.parse_args(argv)
+    trace_path(a)
+    served = _served_model(a)
     lm = load_tokenizer_info(a.model)
     workload = build_workload(a, lm)
+    context = min(lm.max_model_len, served.max_model_len or lm.max_model_len)
+    workload, cut = wl.fit_to_context(workload, context)
     arrivals_s, concurrency, arrival = arrival_plan(a, workload)
     slo = SLO(a.slo_ttft_ms, a.slo_tpot_ms)
+    print(f"model: {served_name(a)} ({a.model}), context {context} tokens"
+          + (f"; {cut} requests cut to fit it" if cut else ""), flush=True)
     print(f"workload: {workload_line(workload)}\narrivals: {arrival}", flush=True)
     records, duration = asyncio.run(run_requests(a.url, served_name(a), workload.requests, arrivals_s=arrivals_s,
                                                  concurrency=concurrency, timeout_s=a.timeout_s, progress=not a.no_progress,
@@ -140,7 +159,28 @@ def run_main(argv: list[str]) -> int:
     paths = write_results(out, workload, [result], _header(a, workload, arrival))
     print(comparison_table([result]))
     print("\n" + "\n".join(f"{k}: {p}" for k, p in paths.items()))
+    failed = [r for r in records if r.error is not None]
+    if failed:
+        print(f"\n{len(failed)} of {len(records)} requests failed; the first: {failed[0].error}", flush=True)
     return 0 if result.summary["errors"] == 0 else 1
+
+
+def _served_model(a: argparse.Namespace):
+    """Ask the endpoint what it serves; without ``--model``, use the shipped model of that name (one-line exit if none)."""
+    from splitserve.bench.served import EndpointError, local_model_for, served_model
+
+    try:
+        served = served_model(a.url)
+    except EndpointError as exc:
+        raise SystemExit(f"splitserve bench: error: {exc}") from None
+    if a.model is None:
+        local = local_model_for(served.name)
+        if local is None:
+            raise SystemExit(f"splitserve bench: error: {a.url} serves {served.name!r}, which is not a shipped model; "
+                             "give --model PATH (the model folder or GGUF file: its tokenizer builds the prompts)")
+        a.model = str(local)
+        a.served_model_name = a.served_model_name or served.name
+    return served
 
 
 def compare_main(argv: list[str]) -> int:
@@ -162,6 +202,7 @@ def compare_main(argv: list[str]) -> int:
     ap.add_argument("--nice", type=int, default=None,
                     help="nice value for the servers and this client (e.g. -10 on a shared machine; negative needs root)")
     a = ap.parse_args(argv)
+    a.model = a.model or DEFAULT_COMPARE_MODEL
     configs = [c.strip() for c in a.configs.split(",") if c.strip()]
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown:

@@ -125,6 +125,27 @@ def _fit(plen: int, olen: int, max_model_len: int) -> tuple[int, int, bool]:
     return min(plen, max_model_len - olen), olen, True
 
 
+def fit_to_context(workload: Workload, max_model_len: int) -> tuple[Workload, int]:
+    """``workload`` with every request cut to fit ``max_model_len`` tokens (prompt + output, as :func:`_fit`:
+    the prompt keeps its first tokens); returns (workload, number of requests cut). Trace workloads are
+    already fitted when built; this fits the synthetic ones to a small model's context.
+
+    Raises:
+        ValueError: ``max_model_len`` < 2 (no room for one prompt and one output token).
+    """
+    if max_model_len < 2:
+        raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
+    requests, cut = [], 0
+    for r in workload.requests:
+        plen, olen, truncated = _fit(len(r.prompt_token_ids), r.max_tokens, max_model_len)
+        requests.append(RequestSpec(r.index, r.prompt_token_ids[:plen], olen, r.kind) if truncated else r)
+        cut += truncated
+    if not cut:
+        return workload, 0
+    info = {**workload.info, "truncated_to_context": cut, "max_model_len": max_model_len, **_length_info(requests)}
+    return Workload(workload.name, requests, workload.arrivals_s, info), cut
+
+
 def mooncake(
     path: str | Path, vocab: list[int], seed: int, *, input_scale: float = 32.0, output_scale: float = 1.0,
     time_scale: float = 1.0, max_requests: int | None = None, start: int = 0, max_model_len: int = 4096,
