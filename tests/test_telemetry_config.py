@@ -135,6 +135,25 @@ def test_worker_metrics_server_serves_engine_gauges():
             check_metrics_port(bad)
 
 
+def test_worker_metrics_server_drops_idle_and_half_sent_connections_and_caps_them():
+    import socket
+
+    server = start_metrics_server("127.0.0.1", 0, CollectorRegistry(), read_timeout_s=0.3, max_connections=2)
+    try:
+        idle = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+        half = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+        half.sendall(b"GET /metrics HTTP/1.1\r\nHo")
+        over = socket.create_connection(("127.0.0.1", server.port), timeout=5)  # a third, beyond the cap
+        assert over.recv(100).startswith(b"HTTP/1.1 503")
+        for sock in (idle, half):  # closed by the server after the read timeout (recv returns b"" at EOF)
+            assert sock.recv(100) == b""
+        assert httpx.get(server.url, timeout=5).status_code == 200  # slots are free again
+        for sock in (idle, half, over):
+            sock.close()
+    finally:
+        server.close()
+
+
 async def test_metrics_route_on_a_starlette_app():
     registry = CollectorRegistry()
     register_engine(_fake_engine(free=8), registry)

@@ -9,7 +9,6 @@ import logging
 import os
 from pathlib import Path
 
-import uvicorn
 from pd.v1 import router_pb2_grpc
 
 from splitserve.config_checks import check_port
@@ -19,6 +18,7 @@ from splitserve.colocated.backend import LocalBackend
 from splitserve.engine.async_engine import AsyncEngine, set_torch_threads
 from splitserve.frontend.draining import DrainMiddleware
 from splitserve.frontend.http_app import build_app
+from splitserve.frontend.http_server import http_server
 from splitserve.logs import setup_logging
 from splitserve.model import load_model
 from splitserve.rpc import keepalive
@@ -51,9 +51,7 @@ async def serve(args: argparse.Namespace) -> None:
     register_engine(engine)
     await server.start()
     app = DrainMiddleware(instrument_app(build_app(served, backend, api_key=api_key, extra_routes=[metrics_route()])), drain)
-    http = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.http_port, log_level="warning", lifespan="off",
-                                         timeout_graceful_shutdown=1))
-    http.install_signal_handlers = lambda: None
+    http = http_server(app, args.host, args.http_port)  # read deadlines, connection cap (PD_HTTP_*)
     http_task = asyncio.create_task(http.serve())
     gc.collect()  # start-up objects to the permanent generation: full collections stop walking them (gc.freeze)
     gc.freeze()

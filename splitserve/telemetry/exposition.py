@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import socket
+import sys
+import threading
 from dataclasses import dataclass
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 from typing import Any, Callable
 
-from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
+from prometheus_client import REGISTRY, CollectorRegistry, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from splitserve.telemetry.metrics import expose
@@ -41,14 +47,68 @@ class MetricsServer:
         self._httpd.server_close()
 
 
-def start_metrics_server(host: str, port: int, registry: CollectorRegistry = REGISTRY) -> MetricsServer | None:
+def start_metrics_server(
+    host: str, port: int, registry: CollectorRegistry = REGISTRY, *, read_timeout_s: float | None = None,
+    max_connections: int | None = None,
+) -> MetricsServer | None:
     """Serve ``registry`` on ``http://host:port/metrics`` (any path answers); port 0 = any free port,
-    -1 = none (returns None). Raises ValueError for a bad port, OSError if it cannot bind."""
+    -1 = none (returns None). A connection idle or half-sent for ``read_timeout_s`` (default
+    ``METRICS_READ_TIMEOUT_S``) is closed; beyond ``max_connections`` (default ``METRICS_MAX_CONNECTIONS``)
+    at once, connections get 503. Raises ValueError for a bad port, OSError if it cannot bind."""
     check_metrics_port(port)
     if port < 0:
         return None
-    httpd, _thread = start_http_server(port, addr=host, registry=registry)
+    server_class = _MetricsHTTPServer6 if ":" in host else _MetricsHTTPServer
+    httpd = make_server(host, port, make_wsgi_app(registry), server_class, handler_class=_MetricsHandler)
+    httpd.read_timeout_s = METRICS_READ_TIMEOUT_S if read_timeout_s is None else read_timeout_s
+    httpd.slots = threading.BoundedSemaphore(max_connections or METRICS_MAX_CONNECTIONS)
+    threading.Thread(target=httpd.serve_forever, name="metrics-http", daemon=True).start()
     return MetricsServer(host, httpd.server_port, httpd)
+
+
+#: a metrics connection that sends nothing (or half a request) for this long is closed (s)
+METRICS_READ_TIMEOUT_S = 10.0
+#: metrics connections served at once; more are answered 503 and closed (each one is a thread)
+METRICS_MAX_CONNECTIONS = 32
+
+
+class _MetricsHandler(WSGIRequestHandler):
+    def setup(self) -> None:
+        self.timeout = self.server.read_timeout_s  # socket timeout: idle, half-sent and slow clients are dropped
+        super().setup()
+
+    def log_message(self, format: str, *args: Any) -> None:  # scrapes are not logged
+        pass
+
+
+class _MetricsHTTPServer(ThreadingWSGIServer):
+    """prometheus_client's threading WSGI server with a cap on the connections served at once."""
+
+    read_timeout_s: float = METRICS_READ_TIMEOUT_S
+    slots: threading.BoundedSemaphore
+
+    def process_request(self, request, client_address) -> None:
+        if not self.slots.acquire(blocking=False):
+            with contextlib.suppress(OSError):
+                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def handle_error(self, request, client_address) -> None:
+        if isinstance(sys.exc_info()[1], (TimeoutError, ConnectionError)):
+            return  # an idle, half-sent or vanished scraper, closed by the read timeout: not an error
+        logger.warning("metrics request from %s failed", client_address, exc_info=True)
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+
+class _MetricsHTTPServer6(_MetricsHTTPServer):
+    address_family = socket.AF_INET6
 
 
 class EngineCollector:

@@ -6,7 +6,6 @@ import asyncio
 import gc
 import logging
 
-import uvicorn
 from pd.v1 import router_pb2, router_pb2_grpc
 
 from splitserve.services.router.routing import build_backend, workers_route
@@ -14,6 +13,7 @@ from splitserve.services.router.config import RouterConfig, parse
 from splitserve.services.router.grpc_api import RouterServicer
 from splitserve.frontend.draining import DrainMiddleware
 from splitserve.frontend.http_app import build_app
+from splitserve.frontend.http_server import http_server
 from splitserve.logs import setup_logging
 from splitserve.rpc import keepalive
 from splitserve.rpc.server import bind, create_server, set_serving
@@ -42,9 +42,7 @@ async def serve(config: RouterConfig) -> None:
         served, backend, extra_routes=[metrics_route("frontend", "router"), workers_route(backend)],
         api_key=config.api_key, request_timeout_s=config.request_timeout_s,
     )), drain)
-    http = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.http_port, log_level="warning", lifespan="off",
-                                         timeout_graceful_shutdown=1))  # after our drain: what is left is cancelled
-    http.install_signal_handlers = lambda: None  # signals are ours (serve_until_signalled)
+    http = http_server(app, config.host, config.http_port)  # read deadlines, connection cap (PD_HTTP_*)
     http_task = asyncio.create_task(http.serve())
     while not http.started and not http_task.done():
         await asyncio.sleep(0.05)
