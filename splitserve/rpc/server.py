@@ -45,8 +45,16 @@ def _limits() -> list[tuple[str, int]]:
 GRPC_OPTIONS = _limits()
 
 
+#: a connection that has not completed the HTTP/2 handshake by then is closed (half-open or idle sockets), s
+HANDSHAKE_TIMEOUT_S = 10.0
+#: a client connection with no call for this long is closed with GOAWAY (the client reconnects on its next call), s
+MAX_CONNECTION_IDLE_S = 600.0
+
+
 def server_options() -> list[tuple[str, int]]:
     return [
+        ("grpc.server_handshake_timeout_ms", int(HANDSHAKE_TIMEOUT_S * 1000)),
+        ("grpc.max_connection_idle_ms", int(MAX_CONNECTION_IDLE_S * 1000)),
         *_limits(),
         # keepalive: clients of hung or vanished peers are detected and their handlers cancelled (splitserve.rpc.keepalive)
         *keepalive.current().server_options(),
