@@ -1,6 +1,8 @@
 """KVStoreMaster state machine with a fake clock: two-phase puts, leases, eviction, replication,
 node death, zombie writes. No I/O, no sleeping."""
 
+import itertools
+
 import pytest
 
 from splitserve.errors import (
@@ -232,3 +234,59 @@ def test_bad_arguments_are_invalid_requests():
         m.mount_segment("n9", "", 10)
     with pytest.raises(ValueError):
         MasterConfig(evict_low=0.95, evict_high=0.9)
+
+
+# ------------------------------------------------------------------ placement (master.placement)
+
+_KEYS = itertools.count()
+
+
+def _puts_per_node(m, clock, n: int, size: int = KB, heartbeat: bool = True) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for _ in range(n):
+        if heartbeat:
+            for node_id in list(m.segments):
+                m.heartbeat(node_id)
+        key = f"spread-{next(_KEYS)}"
+        t = m.put_start(key, size)
+        m.put_end(key, t.put_id, 0)
+        counts[t.replicas[0].node_id] = counts.get(t.replicas[0].node_id, 0) + 1
+    return counts
+
+
+def test_a_restarted_empty_node_does_not_take_every_write():
+    import random
+
+    clock = FakeClock()
+    m = KVStoreMaster(MasterConfig(), clock, rng=random.Random(0))
+    m.mount_segment("n0", "127.0.0.1:7000", 256 * KB)
+    m.mount_segment("n1", "127.0.0.1:7001", 256 * KB)
+    _puts_per_node(m, clock, 150)  # both well used (weighted by free space, spread over both)
+    m.mount_segment("n1", "127.0.0.1:7001", 256 * KB)  # n1 restarts: empty
+    counts = _puts_per_node(m, clock, 100)
+    assert 0 < counts.get("n0", 0) < counts["n1"] < 100, counts  # the empty node gets more, not all
+
+
+def test_no_new_replicas_on_a_node_that_missed_a_heartbeat_until_it_beats_again():
+    m, clock = make(nodes=2, heartbeat_interval_s=1.0, heartbeat_timeout_s=5.0)
+    clock.advance(2.5)
+    m.heartbeat("n0")  # n1 missed two heartbeats: still listed, but in doubt
+    assert set(_puts_per_node(m, clock, 20, heartbeat=False)) == {"n0"}
+    m.heartbeat("n1")
+    assert set(_puts_per_node(m, clock, 40, heartbeat=False)) == {"n0", "n1"}
+
+
+def test_a_failed_write_reported_at_revoke_pauses_placement_on_that_node():
+    m, clock = make(nodes=2, heartbeat_timeout_s=5.0)
+    t = m.put_start("k", KB, replicas=2)
+    m.put_revoke("k", t.put_id, failed_node_ids=["n1", "no-such-node"])
+    assert m.stats()["placement_pauses"] == 1
+    assert set(_puts_per_node(m, clock, 20)) == {"n0"}
+    clock.advance(5.1)  # the pause ends (a dead node would have been dropped by now)
+    assert set(_puts_per_node(m, clock, 40)) == {"n0", "n1"}
+
+
+def test_when_every_node_is_in_doubt_writes_still_go_somewhere():
+    m, clock = make(nodes=2, heartbeat_interval_s=1.0, heartbeat_timeout_s=5.0)
+    clock.advance(3.0)  # nobody heartbeats (e.g. the master was busy): placement falls back to every node
+    assert sum(_puts_per_node(m, clock, 10, heartbeat=False).values()) == 10

@@ -157,10 +157,14 @@ class KVStoreClient:
         return [store_error(r.status, r.detail) for r in resp.results]
 
     async def put_revoke(self, tickets: list[PutTicket]) -> None:
-        """Best effort: a failure is logged (the master reclaims the space after its put timeout anyway)."""
+        """Best effort: a failure is logged (the master reclaims the space after its put timeout anyway).
+        Replicas on nodes this client now suspects (a write there failed) are reported, so the master stops
+        placing new objects there before its heartbeat timeout."""
         if not tickets:
             return
-        items = [kv.PutRevokeRequest(key=t.key, put_id=t.put_id) for t in tickets]
+        items = [kv.PutRevokeRequest(key=t.key, put_id=t.put_id,
+                                     failed_node_ids=sorted({r.node_id for r in t.replicas if r.endpoint in self.suspects}))
+                 for t in tickets]
         try:
             await self._rpc(self._stub.BatchPutRevoke, kv.BatchPutRevokeRequest(items=items))
         except PdError as exc:

@@ -25,17 +25,17 @@ _sym_db = _symbol_database.Default()
 from pd.v1 import common_pb2 as pd_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13pd/v1/kvstore.proto\x12\x05pd.v1\x1a\x12pd/v1/common.proto\"J\n\x07Replica\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0c\n\x04size\x18\x04 \x01(\x04\"F\n\x13MountSegmentRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12\x0c\n\x04size\x18\x03 \x01(\x04\"S\n\x14MountSegmentResponse\x12\x1d\n\x15heartbeat_interval_ms\x18\x01 \x01(\r\x12\x1c\n\x14heartbeat_timeout_ms\x18\x02 \x01(\r\"(\n\x15UnmountSegmentRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\"2\n\x16UnmountSegmentResponse\x12\x18\n\x10replicas_dropped\x18\x01 \x01(\r\"#\n\x10HeartbeatRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\"\"\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\">\n\x0fPutStartRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x10\n\x08replicas\x18\x03 \x01(\r\"\x85\x01\n\x10PutStartResponse\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\"\n\x06status\x18\x02 \x01(\x0e\x32\x12.pd.v1.StoreStatus\x12\x0e\n\x06put_id\x18\x03 \x01(\x04\x12 \n\x08replicas\x18\x04 \x03(\x0b\x32\x0e.pd.v1.Replica\x12\x0e\n\x06\x64\x65tail\x18\x05 \x01(\t\">\n\rPutEndRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06put_id\x18\x02 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x03 \x01(\x04\"Q\n\x0ePutEndResponse\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\"\n\x06status\x18\x02 \x01(\x0e\x32\x12.pd.v1.StoreStatus\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\"/\n\x10PutRevokeRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06put_id\x18\x02 \x01(\x04\"T\n\x11PutRevokeResponse\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\"\n\x06status\x18\x02 \x01(\x0e\x32\x12.pd.v1.StoreStatus\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\"$\n\x15GetReplicaListRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\"\xd0\x01\n\x16GetReplicaListResponse\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\"\n\x06status\x18\x02 \x01(\x0e\x32\x12.pd.v1.StoreStatus\x12 \n\x08replicas\x18\x03 \x03(\x0b\x32\x0e.pd.v1.Replica\x12\x0c\n\x04size\x18\x04 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x05 \x01(\x04\x12\x10\n\x08lease_ms\x18\x06 \x01(\r\x12\x0e\n\x06\x64\x65tail\x18\x07 \x01(\t\x12!\n\x05state\x18\x08 \x01(\x0e\x32\x12.pd.v1.ObjectState\"\x1b\n\x0c\x45xistRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\"\x1f\n\rExistResponse\x12\x0e\n\x06\x65xists\x18\x01 \x01(\x08\"2\n\rRemoveRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x14\n\x0cignore_lease\x18\x02 \x01(\x08\"Q\n\x0eRemoveResponse\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\"\n\x06status\x18\x02 \x01(\x0e\x32\x12.pd.v1.StoreStatus\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\"D\n\x14\x42\x61tchPutStartRequest\x12\x0c\n\x04keys\x18\x01 \x03(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x10\n\x08replicas\x18\x03 \x01(\r\"A\n\x15\x42\x61tchPutStartResponse\x12(\n\x07results\x18\x01 \x03(\x0b\x32\x17.pd.v1.PutStartResponse\"9\n\x12\x42\x61tchPutEndRequest\x12#\n\x05items\x18\x01 \x03(\x0b\x32\x14.pd.v1.PutEndRequest\"=\n\x13\x42\x61tchPutEndResponse\x12&\n\x07results\x18\x01 \x03(\x0b\x32\x15.pd.v1.PutEndResponse\"?\n\x15\x42\x61tchPutRevokeRequest\x12&\n\x05items\x18\x01 \x03(\x0b\x32\x17.pd.v1.PutRevokeRequest\"C\n\x16\x42\x61tchPutRevokeResponse\x12)\n\x07results\x18\x01 \x03(\x0b\x32\x18.pd.v1.PutRevokeResponse\":\n\x1a\x42\x61tchGetReplicaListRequest\x12\x0c\n\x04keys\x18\x01 \x03(\t\x12\x0e\n\x06prefix\x18\x02 \x01(\x08\"M\n\x1b\x42\x61tchGetReplicaListResponse\x12.\n\x07results\x18\x01 \x03(\x0b\x32\x1d.pd.v1.GetReplicaListResponse\"!\n\x11\x42\x61tchExistRequest\x12\x0c\n\x04keys\x18\x01 \x03(\t\"$\n\x12\x42\x61tchExistResponse\x12\x0e\n\x06\x65xists\x18\x01 \x03(\x08*\xc7\x02\n\x0bStoreStatus\x12\x1c\n\x18STORE_STATUS_UNSPECIFIED\x10\x00\x12\x13\n\x0fSTORE_STATUS_OK\x10\x01\x12\x1a\n\x16STORE_STATUS_NOT_FOUND\x10\x02\x12\x1a\n\x16STORE_STATUS_NOT_READY\x10\x03\x12\x1f\n\x1bSTORE_STATUS_ALREADY_EXISTS\x10\x04\x12\x19\n\x15STORE_STATUS_NO_SPACE\x10\x05\x12\x1a\n\x16STORE_STATUS_HAS_LEASE\x10\x06\x12\x1e\n\x1aSTORE_STATUS_LEASE_EXPIRED\x10\x07\x12\x18\n\x14STORE_STATUS_INVALID\x10\x08\x12\x1b\n\x17STORE_STATUS_NO_SEGMENT\x10\t\x12\x1e\n\x1aSTORE_STATUS_WRITE_REVOKED\x10\n*}\n\x0bObjectState\x12\x1c\n\x18OBJECT_STATE_UNSPECIFIED\x10\x00\x12\x1b\n\x17OBJECT_STATE_PROCESSING\x10\x01\x12\x19\n\x15OBJECT_STATE_COMPLETE\x10\x02\x12\x18\n\x14OBJECT_STATE_REMOVED\x10\x03\x32\x9b\x08\n\x14KVStoreMasterService\x12G\n\x0cMountSegment\x12\x1a.pd.v1.MountSegmentRequest\x1a\x1b.pd.v1.MountSegmentResponse\x12M\n\x0eUnmountSegment\x12\x1c.pd.v1.UnmountSegmentRequest\x1a\x1d.pd.v1.UnmountSegmentResponse\x12>\n\tHeartbeat\x12\x17.pd.v1.HeartbeatRequest\x1a\x18.pd.v1.HeartbeatResponse\x12;\n\x08PutStart\x12\x16.pd.v1.PutStartRequest\x1a\x17.pd.v1.PutStartResponse\x12\x35\n\x06PutEnd\x12\x14.pd.v1.PutEndRequest\x1a\x15.pd.v1.PutEndResponse\x12>\n\tPutRevoke\x12\x17.pd.v1.PutRevokeRequest\x1a\x18.pd.v1.PutRevokeResponse\x12M\n\x0eGetReplicaList\x12\x1c.pd.v1.GetReplicaListRequest\x1a\x1d.pd.v1.GetReplicaListResponse\x12\x32\n\x05\x45xist\x12\x13.pd.v1.ExistRequest\x1a\x14.pd.v1.ExistResponse\x12\x35\n\x06Remove\x12\x14.pd.v1.RemoveRequest\x1a\x15.pd.v1.RemoveResponse\x12J\n\rBatchPutStart\x12\x1b.pd.v1.BatchPutStartRequest\x1a\x1c.pd.v1.BatchPutStartResponse\x12\x44\n\x0b\x42\x61tchPutEnd\x12\x19.pd.v1.BatchPutEndRequest\x1a\x1a.pd.v1.BatchPutEndResponse\x12M\n\x0e\x42\x61tchPutRevoke\x12\x1c.pd.v1.BatchPutRevokeRequest\x1a\x1d.pd.v1.BatchPutRevokeResponse\x12\\\n\x13\x42\x61tchGetReplicaList\x12!.pd.v1.BatchGetReplicaListRequest\x1a\".pd.v1.BatchGetReplicaListResponse\x12\x41\n\nBatchExist\x12\x18.pd.v1.BatchExistRequest\x1a\x19.pd.v1.BatchExistResponse\x12;\n\x08GetStats\x12\x16.pd.v1.GetStatsRequest\x1a\x17.pd.v1.GetStatsResponse2Q\n\x12KVStoreNodeService\x12;\n\x08GetStats\x12\x16.pd.v1.GetStatsRequest\x1a\x17.pd.v1.GetStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13pd/v1/kvstore.proto\x12\x05pd.v1\x1a\x12pd/v1/common.proto\"J\n\x07Replica\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0c\n\x04size\x18\x04 \x01(\x04\"F\n\x13MountSegmentRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12\x0c\n\x04size\x18\x03 \x01(\x04\"S\n\x14MountSegmentResponse\x12\x1d\n\x15heartbeat_interval_ms\x18\x01 \x01(\r\x12\x1c\n\x14heartbeat_timeout_ms\x18\x02 \x01(\r\"(\n\x15UnmountSegmentRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\"2\n\x16UnmountSegmentResponse\x12\x18\n\x10replicas_dropped\x18\x01 \x01(\r\"#\n\x10HeartbeatRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\"\"\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\">\n\x0fPutStartRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x10\n\x08replicas\x18\x03 \x01(\r\"\x85\x01\n\x10PutStartResponse\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\"\n\x06status\x18\x02 \x01(\x0e\x32\x12.pd.v1.StoreStatus\x12\x0e\n\x06put_id\x18\x03 \x01(\x04\x12 \n\x08replicas\x18\x04 \x03(\x0b\x32\x0e.pd.v1.Replica\x12\x0e\n\x06\x64\x65tail\x18\x05 \x01(\t\">\n\rPutEndRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06put_id\x18\x02 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x03 \x01(\x04\"Q\n\x0ePutEndResponse\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\"\n\x06status\x18\x02 \x01(\x0e\x32\x12.pd.v1.StoreStatus\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\"H\n\x10PutRevokeRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06put_id\x18\x02 \x01(\x04\x12\x17\n\x0f\x66\x61iled_node_ids\x18\x03 \x03(\t\"T\n\x11PutRevokeResponse\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\"\n\x06status\x18\x02 \x01(\x0e\x32\x12.pd.v1.StoreStatus\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\"$\n\x15GetReplicaListRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\"\xd0\x01\n\x16GetReplicaListResponse\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\"\n\x06status\x18\x02 \x01(\x0e\x32\x12.pd.v1.StoreStatus\x12 \n\x08replicas\x18\x03 \x03(\x0b\x32\x0e.pd.v1.Replica\x12\x0c\n\x04size\x18\x04 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x05 \x01(\x04\x12\x10\n\x08lease_ms\x18\x06 \x01(\r\x12\x0e\n\x06\x64\x65tail\x18\x07 \x01(\t\x12!\n\x05state\x18\x08 \x01(\x0e\x32\x12.pd.v1.ObjectState\"\x1b\n\x0c\x45xistRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\"\x1f\n\rExistResponse\x12\x0e\n\x06\x65xists\x18\x01 \x01(\x08\"2\n\rRemoveRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x14\n\x0cignore_lease\x18\x02 \x01(\x08\"Q\n\x0eRemoveResponse\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\"\n\x06status\x18\x02 \x01(\x0e\x32\x12.pd.v1.StoreStatus\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\"D\n\x14\x42\x61tchPutStartRequest\x12\x0c\n\x04keys\x18\x01 \x03(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x10\n\x08replicas\x18\x03 \x01(\r\"A\n\x15\x42\x61tchPutStartResponse\x12(\n\x07results\x18\x01 \x03(\x0b\x32\x17.pd.v1.PutStartResponse\"9\n\x12\x42\x61tchPutEndRequest\x12#\n\x05items\x18\x01 \x03(\x0b\x32\x14.pd.v1.PutEndRequest\"=\n\x13\x42\x61tchPutEndResponse\x12&\n\x07results\x18\x01 \x03(\x0b\x32\x15.pd.v1.PutEndResponse\"?\n\x15\x42\x61tchPutRevokeRequest\x12&\n\x05items\x18\x01 \x03(\x0b\x32\x17.pd.v1.PutRevokeRequest\"C\n\x16\x42\x61tchPutRevokeResponse\x12)\n\x07results\x18\x01 \x03(\x0b\x32\x18.pd.v1.PutRevokeResponse\":\n\x1a\x42\x61tchGetReplicaListRequest\x12\x0c\n\x04keys\x18\x01 \x03(\t\x12\x0e\n\x06prefix\x18\x02 \x01(\x08\"M\n\x1b\x42\x61tchGetReplicaListResponse\x12.\n\x07results\x18\x01 \x03(\x0b\x32\x1d.pd.v1.GetReplicaListResponse\"!\n\x11\x42\x61tchExistRequest\x12\x0c\n\x04keys\x18\x01 \x03(\t\"$\n\x12\x42\x61tchExistResponse\x12\x0e\n\x06\x65xists\x18\x01 \x03(\x08*\xc7\x02\n\x0bStoreStatus\x12\x1c\n\x18STORE_STATUS_UNSPECIFIED\x10\x00\x12\x13\n\x0fSTORE_STATUS_OK\x10\x01\x12\x1a\n\x16STORE_STATUS_NOT_FOUND\x10\x02\x12\x1a\n\x16STORE_STATUS_NOT_READY\x10\x03\x12\x1f\n\x1bSTORE_STATUS_ALREADY_EXISTS\x10\x04\x12\x19\n\x15STORE_STATUS_NO_SPACE\x10\x05\x12\x1a\n\x16STORE_STATUS_HAS_LEASE\x10\x06\x12\x1e\n\x1aSTORE_STATUS_LEASE_EXPIRED\x10\x07\x12\x18\n\x14STORE_STATUS_INVALID\x10\x08\x12\x1b\n\x17STORE_STATUS_NO_SEGMENT\x10\t\x12\x1e\n\x1aSTORE_STATUS_WRITE_REVOKED\x10\n*}\n\x0bObjectState\x12\x1c\n\x18OBJECT_STATE_UNSPECIFIED\x10\x00\x12\x1b\n\x17OBJECT_STATE_PROCESSING\x10\x01\x12\x19\n\x15OBJECT_STATE_COMPLETE\x10\x02\x12\x18\n\x14OBJECT_STATE_REMOVED\x10\x03\x32\x9b\x08\n\x14KVStoreMasterService\x12G\n\x0cMountSegment\x12\x1a.pd.v1.MountSegmentRequest\x1a\x1b.pd.v1.MountSegmentResponse\x12M\n\x0eUnmountSegment\x12\x1c.pd.v1.UnmountSegmentRequest\x1a\x1d.pd.v1.UnmountSegmentResponse\x12>\n\tHeartbeat\x12\x17.pd.v1.HeartbeatRequest\x1a\x18.pd.v1.HeartbeatResponse\x12;\n\x08PutStart\x12\x16.pd.v1.PutStartRequest\x1a\x17.pd.v1.PutStartResponse\x12\x35\n\x06PutEnd\x12\x14.pd.v1.PutEndRequest\x1a\x15.pd.v1.PutEndResponse\x12>\n\tPutRevoke\x12\x17.pd.v1.PutRevokeRequest\x1a\x18.pd.v1.PutRevokeResponse\x12M\n\x0eGetReplicaList\x12\x1c.pd.v1.GetReplicaListRequest\x1a\x1d.pd.v1.GetReplicaListResponse\x12\x32\n\x05\x45xist\x12\x13.pd.v1.ExistRequest\x1a\x14.pd.v1.ExistResponse\x12\x35\n\x06Remove\x12\x14.pd.v1.RemoveRequest\x1a\x15.pd.v1.RemoveResponse\x12J\n\rBatchPutStart\x12\x1b.pd.v1.BatchPutStartRequest\x1a\x1c.pd.v1.BatchPutStartResponse\x12\x44\n\x0b\x42\x61tchPutEnd\x12\x19.pd.v1.BatchPutEndRequest\x1a\x1a.pd.v1.BatchPutEndResponse\x12M\n\x0e\x42\x61tchPutRevoke\x12\x1c.pd.v1.BatchPutRevokeRequest\x1a\x1d.pd.v1.BatchPutRevokeResponse\x12\\\n\x13\x42\x61tchGetReplicaList\x12!.pd.v1.BatchGetReplicaListRequest\x1a\".pd.v1.BatchGetReplicaListResponse\x12\x41\n\nBatchExist\x12\x18.pd.v1.BatchExistRequest\x1a\x19.pd.v1.BatchExistResponse\x12;\n\x08GetStats\x12\x16.pd.v1.GetStatsRequest\x1a\x17.pd.v1.GetStatsResponse2Q\n\x12KVStoreNodeService\x12;\n\x08GetStats\x12\x16.pd.v1.GetStatsRequest\x1a\x17.pd.v1.GetStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pd.v1.kvstore_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_STORESTATUS']._serialized_start=1984
-  _globals['_STORESTATUS']._serialized_end=2311
-  _globals['_OBJECTSTATE']._serialized_start=2313
-  _globals['_OBJECTSTATE']._serialized_end=2438
+  _globals['_STORESTATUS']._serialized_start=2009
+  _globals['_STORESTATUS']._serialized_end=2336
+  _globals['_OBJECTSTATE']._serialized_start=2338
+  _globals['_OBJECTSTATE']._serialized_end=2463
   _globals['_REPLICA']._serialized_start=50
   _globals['_REPLICA']._serialized_end=124
   _globals['_MOUNTSEGMENTREQUEST']._serialized_start=126
@@ -59,43 +59,43 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PUTENDRESPONSE']._serialized_start=714
   _globals['_PUTENDRESPONSE']._serialized_end=795
   _globals['_PUTREVOKEREQUEST']._serialized_start=797
-  _globals['_PUTREVOKEREQUEST']._serialized_end=844
-  _globals['_PUTREVOKERESPONSE']._serialized_start=846
-  _globals['_PUTREVOKERESPONSE']._serialized_end=930
-  _globals['_GETREPLICALISTREQUEST']._serialized_start=932
-  _globals['_GETREPLICALISTREQUEST']._serialized_end=968
-  _globals['_GETREPLICALISTRESPONSE']._serialized_start=971
-  _globals['_GETREPLICALISTRESPONSE']._serialized_end=1179
-  _globals['_EXISTREQUEST']._serialized_start=1181
-  _globals['_EXISTREQUEST']._serialized_end=1208
-  _globals['_EXISTRESPONSE']._serialized_start=1210
-  _globals['_EXISTRESPONSE']._serialized_end=1241
-  _globals['_REMOVEREQUEST']._serialized_start=1243
-  _globals['_REMOVEREQUEST']._serialized_end=1293
-  _globals['_REMOVERESPONSE']._serialized_start=1295
-  _globals['_REMOVERESPONSE']._serialized_end=1376
-  _globals['_BATCHPUTSTARTREQUEST']._serialized_start=1378
-  _globals['_BATCHPUTSTARTREQUEST']._serialized_end=1446
-  _globals['_BATCHPUTSTARTRESPONSE']._serialized_start=1448
-  _globals['_BATCHPUTSTARTRESPONSE']._serialized_end=1513
-  _globals['_BATCHPUTENDREQUEST']._serialized_start=1515
-  _globals['_BATCHPUTENDREQUEST']._serialized_end=1572
-  _globals['_BATCHPUTENDRESPONSE']._serialized_start=1574
-  _globals['_BATCHPUTENDRESPONSE']._serialized_end=1635
-  _globals['_BATCHPUTREVOKEREQUEST']._serialized_start=1637
-  _globals['_BATCHPUTREVOKEREQUEST']._serialized_end=1700
-  _globals['_BATCHPUTREVOKERESPONSE']._serialized_start=1702
-  _globals['_BATCHPUTREVOKERESPONSE']._serialized_end=1769
-  _globals['_BATCHGETREPLICALISTREQUEST']._serialized_start=1771
-  _globals['_BATCHGETREPLICALISTREQUEST']._serialized_end=1829
-  _globals['_BATCHGETREPLICALISTRESPONSE']._serialized_start=1831
-  _globals['_BATCHGETREPLICALISTRESPONSE']._serialized_end=1908
-  _globals['_BATCHEXISTREQUEST']._serialized_start=1910
-  _globals['_BATCHEXISTREQUEST']._serialized_end=1943
-  _globals['_BATCHEXISTRESPONSE']._serialized_start=1945
-  _globals['_BATCHEXISTRESPONSE']._serialized_end=1981
-  _globals['_KVSTOREMASTERSERVICE']._serialized_start=2441
-  _globals['_KVSTOREMASTERSERVICE']._serialized_end=3492
-  _globals['_KVSTORENODESERVICE']._serialized_start=3494
-  _globals['_KVSTORENODESERVICE']._serialized_end=3575
+  _globals['_PUTREVOKEREQUEST']._serialized_end=869
+  _globals['_PUTREVOKERESPONSE']._serialized_start=871
+  _globals['_PUTREVOKERESPONSE']._serialized_end=955
+  _globals['_GETREPLICALISTREQUEST']._serialized_start=957
+  _globals['_GETREPLICALISTREQUEST']._serialized_end=993
+  _globals['_GETREPLICALISTRESPONSE']._serialized_start=996
+  _globals['_GETREPLICALISTRESPONSE']._serialized_end=1204
+  _globals['_EXISTREQUEST']._serialized_start=1206
+  _globals['_EXISTREQUEST']._serialized_end=1233
+  _globals['_EXISTRESPONSE']._serialized_start=1235
+  _globals['_EXISTRESPONSE']._serialized_end=1266
+  _globals['_REMOVEREQUEST']._serialized_start=1268
+  _globals['_REMOVEREQUEST']._serialized_end=1318
+  _globals['_REMOVERESPONSE']._serialized_start=1320
+  _globals['_REMOVERESPONSE']._serialized_end=1401
+  _globals['_BATCHPUTSTARTREQUEST']._serialized_start=1403
+  _globals['_BATCHPUTSTARTREQUEST']._serialized_end=1471
+  _globals['_BATCHPUTSTARTRESPONSE']._serialized_start=1473
+  _globals['_BATCHPUTSTARTRESPONSE']._serialized_end=1538
+  _globals['_BATCHPUTENDREQUEST']._serialized_start=1540
+  _globals['_BATCHPUTENDREQUEST']._serialized_end=1597
+  _globals['_BATCHPUTENDRESPONSE']._serialized_start=1599
+  _globals['_BATCHPUTENDRESPONSE']._serialized_end=1660
+  _globals['_BATCHPUTREVOKEREQUEST']._serialized_start=1662
+  _globals['_BATCHPUTREVOKEREQUEST']._serialized_end=1725
+  _globals['_BATCHPUTREVOKERESPONSE']._serialized_start=1727
+  _globals['_BATCHPUTREVOKERESPONSE']._serialized_end=1794
+  _globals['_BATCHGETREPLICALISTREQUEST']._serialized_start=1796
+  _globals['_BATCHGETREPLICALISTREQUEST']._serialized_end=1854
+  _globals['_BATCHGETREPLICALISTRESPONSE']._serialized_start=1856
+  _globals['_BATCHGETREPLICALISTRESPONSE']._serialized_end=1933
+  _globals['_BATCHEXISTREQUEST']._serialized_start=1935
+  _globals['_BATCHEXISTREQUEST']._serialized_end=1968
+  _globals['_BATCHEXISTRESPONSE']._serialized_start=1970
+  _globals['_BATCHEXISTRESPONSE']._serialized_end=2006
+  _globals['_KVSTOREMASTERSERVICE']._serialized_start=2466
+  _globals['_KVSTOREMASTERSERVICE']._serialized_end=3517
+  _globals['_KVSTORENODESERVICE']._serialized_start=3519
+  _globals['_KVSTORENODESERVICE']._serialized_end=3600
 # @@protoc_insertion_point(module_scope)

@@ -143,12 +143,14 @@ class PutEndResponse(_message.Message):
     def __init__(self, key: _Optional[str] = ..., status: _Optional[_Union[StoreStatus, str]] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class PutRevokeRequest(_message.Message):
-    __slots__ = ("key", "put_id")
+    __slots__ = ("key", "put_id", "failed_node_ids")
     KEY_FIELD_NUMBER: _ClassVar[int]
     PUT_ID_FIELD_NUMBER: _ClassVar[int]
+    FAILED_NODE_IDS_FIELD_NUMBER: _ClassVar[int]
     key: str
     put_id: int
-    def __init__(self, key: _Optional[str] = ..., put_id: _Optional[int] = ...) -> None: ...
+    failed_node_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, key: _Optional[str] = ..., put_id: _Optional[int] = ..., failed_node_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PutRevokeResponse(_message.Message):
     __slots__ = ("key", "status", "detail")

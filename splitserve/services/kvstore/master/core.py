@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import itertools
 import logging
+import random
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 from splitserve.errors import (
     InvalidRequest,
@@ -29,6 +30,7 @@ from splitserve.services.kvstore.master import eviction, leases
 from splitserve.services.kvstore.master.allocator import SegmentAllocator
 from splitserve.services.kvstore.master.config import MasterConfig
 from splitserve.services.kvstore.master.metadata import ObjectMeta, ObjectState, Replica
+from splitserve.services.kvstore.master.placement import placement_order
 from splitserve.services.kvstore.master.segments import Segment
 
 logger = logging.getLogger(__name__)
@@ -59,9 +61,11 @@ class ReadGrant:
 
 
 class KVStoreMaster:
-    def __init__(self, config: MasterConfig = MasterConfig(), clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, config: MasterConfig = MasterConfig(), clock: Callable[[], float] = time.monotonic,
+                 rng: random.Random | None = None) -> None:
         self.config = config
         self.clock = clock
+        self.rng = rng or random.Random()  # replica placement (master.placement); seed it in tests
         self.segments: dict[str, Segment] = {}
         self.objects: dict[str, ObjectMeta] = {}
         self._lru: OrderedDict[str, ObjectMeta] = OrderedDict()  # COMPLETE objects, least recently used first
@@ -70,7 +74,7 @@ class KVStoreMaster:
         self.counters: dict[str, int] = dict.fromkeys(
             ["puts_started", "puts_completed", "puts_revoked", "puts_reclaimed", "puts_rejected_exists",
              "puts_rejected_no_space", "gets", "get_hits", "leases_granted", "removes", "evicted_objects",
-             "evicted_bytes", "nodes_mounted", "nodes_dropped", "replicas_dropped", "objects_lost"], 0)
+             "evicted_bytes", "nodes_mounted", "nodes_dropped", "replicas_dropped", "objects_lost", "placement_pauses"], 0)
 
     # ------------------------------------------------------------------ segments
     def mount_segment(self, node_id: str, endpoint: str, size: int) -> None:
@@ -135,7 +139,7 @@ class KVStoreMaster:
             raise NoStorageNode("no storage node is mounted")
         want = replicas or self.config.default_replicas
         obj = ObjectMeta(key, size, next(self._put_ids), now)
-        for seg in sorted(self.segments.values(), key=lambda s: (s.used - s.capacity, s.node_id)):
+        for seg in placement_order(list(self.segments.values()), now, self.config.heartbeat_interval_s, self.rng):
             if len(obj.replicas) == want:
                 break
             offset = self._allocate(seg, size, now)
@@ -166,13 +170,27 @@ class KVStoreMaster:
         self._lru[key] = obj
         self.counters["puts_completed"] += 1
 
-    def put_revoke(self, key: str, put_id: int) -> None:
-        """Abandon a write: its space is freed. Raises WriteRevoked if it is not an open write of put_id."""
+    def put_revoke(self, key: str, put_id: int, failed_node_ids: Sequence[str] = ()) -> None:
+        """Abandon a write: its space is freed. ``failed_node_ids``: storage nodes the writer could not write
+        to; no new replicas go there for ``heartbeat_timeout_s`` (by then a dead node is dropped).
+        Raises WriteRevoked if it is not an open write of put_id."""
+        self.pause_placement(failed_node_ids)
         obj = self._own_write(key, put_id)
         if obj.state is not ObjectState.PROCESSING:
             raise WriteRevoked(f"write {put_id} of {key} is already complete")
         self.counters["puts_revoked"] += 1
         self._forget(obj)
+
+    def pause_placement(self, node_ids: Sequence[str]) -> None:
+        """No new replicas on ``node_ids`` (a client failed to write there) for ``heartbeat_timeout_s``."""
+        until = self.clock() + self.config.heartbeat_timeout_s
+        for node_id in node_ids:
+            seg = self.segments.get(node_id)
+            if seg is not None and seg.placement_paused_until < until:
+                seg.placement_paused_until = until
+                self.counters["placement_pauses"] += 1
+                logger.warning("a write to storage node %s failed: no new replicas there for %.1fs", node_id,
+                               self.config.heartbeat_timeout_s)
 
     def _own_write(self, key: str, put_id: int) -> ObjectMeta:
         obj = self.objects.get(key)

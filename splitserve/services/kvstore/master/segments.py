@@ -16,6 +16,11 @@ class Segment:
     allocator: SegmentAllocator
     last_heartbeat: float
     keys: set[str] = field(default_factory=set)  # objects with a replica here
+    placement_paused_until: float = 0.0  # a client reported a failed write here: no new replicas until then
+
+    @property
+    def free(self) -> int:
+        return self.allocator.capacity - self.allocator.used_bytes
 
     @property
     def capacity(self) -> int:

@@ -88,7 +88,7 @@ class KVStoreMasterServicer(kvstore_pb2_grpc.KVStoreMasterServiceServicer):
 
     async def PutRevoke(self, request, context):
         def run():
-            self.master.put_revoke(request.key, request.put_id)
+            self.master.put_revoke(request.key, request.put_id, list(request.failed_node_ids))
             return kv.PutRevokeResponse(key=request.key, status=kv.STORE_STATUS_OK)
         return await self._call(context, run, request)
 
@@ -136,7 +136,7 @@ class KVStoreMasterServicer(kvstore_pb2_grpc.KVStoreMasterServiceServicer):
             results = []
             for item in request.items:
                 try:
-                    self.master.put_revoke(item.key, item.put_id)
+                    self.master.put_revoke(item.key, item.put_id, list(item.failed_node_ids))
                     results.append(kv.PutRevokeResponse(key=item.key, status=kv.STORE_STATUS_OK))
                 except PdError as exc:
                     results.append(kv.PutRevokeResponse(key=item.key, status=store_status_for(exc), detail=str(exc)))
