@@ -22,6 +22,7 @@ from splitserve.engine.scheduler import Scheduler, SchedulerConfig
 from splitserve.engine.sequence import Sequence, SeqMode
 from splitserve.errors import InvalidRequest
 from splitserve.model import LoadedModel
+from splitserve.transfer.kv_cache import allocate_kv_cache
 from splitserve.transfer.layout import KVLayout
 
 logger = logging.getLogger(__name__)
@@ -45,7 +46,7 @@ class AsyncEngine:
         mc = lm.config
         self.layout = KVLayout(lm.model_id, mc.num_layers, mc.num_kv_heads, mc.head_dim, config.block_size, mc.dtype)
         num_blocks = config.num_blocks or max(1, config.kv_cache_mb * 2**20 // self.layout.block_nbytes)
-        self.kv_cache = self.layout.allocate_cache(num_blocks)
+        self.kv_cache = allocate_kv_cache(self.layout, num_blocks)
         self.block_manager = BlockManager(num_blocks)
         sched = Scheduler(
             SchedulerConfig(
