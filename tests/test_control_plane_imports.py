@@ -5,6 +5,7 @@ libraries each process has mapped."""
 
 from __future__ import annotations
 
+import ast
 import os
 import signal
 import subprocess
@@ -30,7 +31,7 @@ def loaded_heavy_packages(code: str) -> list[str]:
     probe = f"{code}; import sys; print(sorted({{m.split('.')[0] for m in sys.modules}} & {set(HEAVY)!r}))"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    return eval(out.stdout.strip().splitlines()[-1])  # a printed list of str
+    return ast.literal_eval(out.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize("module", [
