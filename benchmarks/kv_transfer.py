@@ -165,6 +165,7 @@ def table_ids(nblocks: int, fragmented: bool, rng: random.Random, pool_blocks: i
 async def run_ucx(args, sizes: list[int], results: dict) -> None:
     from splitserve.transfer import create_receiver
     from splitserve.transfer.common import compute_segments
+    from splitserve.transfer.kv_cache import allocate_kv_cache
     from splitserve.transfer.layout import KVLayout
     from splitserve.transfer.testing import SenderProcess, block_bytes, expected_block
 
@@ -195,7 +196,7 @@ async def run_ucx(args, sizes: list[int], results: dict) -> None:
                 sender.register(tid, src)
                 plan[(nbytes, mode, rep)] = (tid, src, dst)
 
-    pool = layout.allocate_cache(pool_blocks)
+    pool = allocate_kv_cache(layout, pool_blocks)
     pool.view(-1).view(torch.uint8).fill_(1)  # fault the pages in now (a serving engine touches its pool early)
     receiver = create_receiver("ucx", pool, layout)
     await receiver.start()  # initialises UCX in this loop (also used by the raw client)

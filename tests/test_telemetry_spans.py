@@ -17,6 +17,7 @@ from splitserve.telemetry.tracing import tracer
 from splitserve.telemetry.transfer import observe_receive
 from splitserve.telemetry.workers import observe_decode, observe_prefill
 from splitserve.transfer import create_receiver, create_sender
+from splitserve.transfer.kv_cache import allocate_kv_cache
 from splitserve.transfer.layout import KVLayout
 from tests.telemetry_helpers import FakeClock, Spans, sample
 
@@ -162,7 +163,7 @@ LAYOUT = KVLayout("test-model", num_layers=2, num_kv_heads=2, head_dim=8, block_
 
 
 async def test_transfer_send_span_is_child_of_receive_span(spans):
-    src, dst = LAYOUT.allocate_cache(8), LAYOUT.allocate_cache(8)
+    src, dst = allocate_kv_cache(LAYOUT, 8), allocate_kv_cache(LAYOUT, 8)
     sender, receiver = create_sender("inproc", src, LAYOUT), create_receiver("inproc", dst, LAYOUT)
     await sender.start()
     await receiver.start()

@@ -10,6 +10,7 @@ import torch
 from splitserve.errors import InvalidRequest, KVLayoutMismatch, KVTransferError, TransferNotFound
 from splitserve.transfer import TransferRefused, create_receiver, create_sender, supported_kinds
 from splitserve.transfer.common import compute_segments
+from splitserve.transfer.kv_cache import allocate_kv_cache
 from splitserve.transfer.layout import KVLayout
 from splitserve.transfer.testing import block_bytes, expected_block, fill_pattern
 
@@ -27,9 +28,9 @@ class Events:
 
 @pytest.fixture
 async def pair():
-    src = LAYOUT.allocate_cache(NUM_BLOCKS)
+    src = allocate_kv_cache(LAYOUT, NUM_BLOCKS)
     fill_pattern(src, salt=3)
-    dst = LAYOUT.allocate_cache(NUM_BLOCKS)
+    dst = allocate_kv_cache(LAYOUT, NUM_BLOCKS)
     sender = create_sender("inproc", src, LAYOUT)
     receiver = create_receiver("inproc", dst, LAYOUT)
     await sender.start()
@@ -58,7 +59,7 @@ def test_segments_merge_runs_on_both_sides():
 
 def test_unknown_kind_lists_supported():
     with pytest.raises(ValueError, match="inproc, ucx"):
-        create_sender("nccl", LAYOUT.allocate_cache(1), LAYOUT)
+        create_sender("nccl", allocate_kv_cache(LAYOUT, 1), LAYOUT)
     assert supported_kinds() == ["inproc", "ucx"]
 
 
@@ -156,8 +157,8 @@ async def test_unknown_endpoint_and_bad_arguments(pair):
 
 async def test_layout_mismatch():
     other = KVLayout("other-model", 2, 2, 8, 4, "bfloat16")
-    sender = create_sender("inproc", LAYOUT.allocate_cache(4), LAYOUT)
-    receiver = create_receiver("inproc", other.allocate_cache(4), other)
+    sender = create_sender("inproc", allocate_kv_cache(LAYOUT, 4), LAYOUT)
+    receiver = create_receiver("inproc", allocate_kv_cache(other, 4), other)
     await sender.start()
     await receiver.start()
     sender.register("t", [1], Events())
@@ -168,8 +169,8 @@ async def test_layout_mismatch():
 
 
 async def test_close_fails_pending_and_removes_endpoint():
-    sender = create_sender("inproc", LAYOUT.allocate_cache(4), LAYOUT)
-    receiver = create_receiver("inproc", LAYOUT.allocate_cache(4), LAYOUT)
+    sender = create_sender("inproc", allocate_kv_cache(LAYOUT, 4), LAYOUT)
+    receiver = create_receiver("inproc", allocate_kv_cache(LAYOUT, 4), LAYOUT)
     await sender.start()
     await receiver.start()
     done = Events()

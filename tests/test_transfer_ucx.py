@@ -18,6 +18,7 @@ from splitserve.errors import KVChecksumMismatch, KVLayoutMismatch, KVTransferEr
 from splitserve.transfer import TransferRefused, apply_ucx_env_defaults, create_receiver, create_sender  # noqa: E402
 from splitserve.transfer import ucx_env_defaults, wire  # noqa: E402
 from splitserve.transfer.common import Status  # noqa: E402
+from splitserve.transfer.kv_cache import allocate_kv_cache  # noqa: E402
 from splitserve.transfer.layout import KVLayout  # noqa: E402
 from splitserve.transfer.testing import (  # noqa: E402
     SenderProcess,
@@ -57,7 +58,7 @@ def peer():
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def receiver():
-    pool = LAYOUT.allocate_cache(NUM_BLOCKS)
+    pool = allocate_kv_cache(LAYOUT, NUM_BLOCKS)
     r = create_receiver("ucx", pool, LAYOUT, cancel_grace_s=0.3)
     await r.start()
     yield r, pool
@@ -214,7 +215,7 @@ async def test_unregister_then_fetch(peer, receiver):
 @real_ucx
 async def test_layout_mismatch(peer, receiver):
     other = KVLayout("other-model", 4, 4, 64, 16, "bfloat16")
-    r2 = create_receiver("ucx", other.allocate_cache(4), other)
+    r2 = create_receiver("ucx", allocate_kv_cache(other, 4), other)
     await r2.start()
     try:
         peer.register("mismatch", [1])
@@ -353,10 +354,10 @@ async def test_sender_process_closes_quickly(receiver):
 @real_ucx
 async def test_sender_in_same_process():
     """Sender and receiver on one UCX worker (shared tags); closing fails pending registrations."""
-    src = LAYOUT.allocate_cache(8)
+    src = allocate_kv_cache(LAYOUT, 8)
     src.view(-1).view(torch.uint8).fill_(7)
     sender = create_sender("ucx", src, LAYOUT, host="127.0.0.1")
-    pool = LAYOUT.allocate_cache(8)
+    pool = allocate_kv_cache(LAYOUT, 8)
     r = create_receiver("ucx", pool, LAYOUT)
     await sender.start()
     await r.start()
@@ -412,9 +413,9 @@ async def test_listener_survives_a_client_that_hangs_mid_handshake():
 async def test_many_small_segments_in_process():
     """2 KiB blocks (UCX eager path) and 512 one-block segments (more requests than ucxx's future pool)."""
     tiny = KVLayout("tiny", num_layers=2, num_kv_heads=2, head_dim=16, block_size=4, dtype="float32")
-    src = tiny.allocate_cache(1024)
+    src = allocate_kv_cache(tiny, 1024)
     fill_pattern(src, salt=2)
-    dst = tiny.allocate_cache(1024)
+    dst = allocate_kv_cache(tiny, 1024)
     sender = create_sender("ucx", src, tiny)
     r = create_receiver("ucx", dst, tiny)
     await sender.start()
@@ -433,7 +434,7 @@ async def test_many_small_segments_in_process():
 
 @real_ucx
 async def test_checksum_verified_transfer(peer):
-    pool = LAYOUT.allocate_cache(8)
+    pool = allocate_kv_cache(LAYOUT, 8)
     r = create_receiver("ucx", pool, LAYOUT, verify_checksum=True)
     await r.start()
     try:
@@ -452,7 +453,7 @@ async def test_corrupted_transfer_is_detected(receiver):
     plain, pool = receiver
     bad = SenderProcess(LAYOUT, NUM_BLOCKS, salt=SALT, env=PEER_ENV, options={"corrupt_sends": True})
     bad.start()
-    verifying = create_receiver("ucx", LAYOUT.allocate_cache(8), LAYOUT, verify_checksum=True)
+    verifying = create_receiver("ucx", allocate_kv_cache(LAYOUT, 8), LAYOUT, verify_checksum=True)
     await verifying.start()
     try:
         bad.register("corrupt-1", [6, 7])

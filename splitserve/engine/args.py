@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from splitserve.engine.async_engine import EngineConfig
+from splitserve.engine.config import EngineConfig
 from splitserve.paths import default_model_path
 
 

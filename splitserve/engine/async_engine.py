@@ -1,17 +1,20 @@
-"""asyncio face of the engine: per-request async streams over the engine-core thread."""
+"""asyncio face of the engine: per-request async streams over the engine-core thread.
+
+``EngineConfig`` lives in :mod:`splitserve.engine.config` (no torch) and is re-exported here.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
 import logging
-from dataclasses import dataclass
 from typing import AsyncIterator
 
 import torch
 
 from splitserve.engine.admission import check_fits, max_blocks
 from splitserve.engine.block_manager import BlockManager
+from splitserve.engine.config import EngineConfig
 from splitserve.engine.core import EngineCore, RequestOutput
 from splitserve.engine.runner import ModelRunner
 from splitserve.engine.sampling import SamplingParams
@@ -19,35 +22,10 @@ from splitserve.engine.scheduler import Scheduler, SchedulerConfig
 from splitserve.engine.sequence import Sequence, SeqMode
 from splitserve.errors import InvalidRequest
 from splitserve.model import LoadedModel
+from splitserve.transfer.kv_cache import allocate_kv_cache
 from splitserve.transfer.layout import KVLayout
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class EngineConfig:
-    block_size: int = 16  # tokens per KV block
-    kv_cache_mb: int = 256  # size of the preallocated KV pool, MiB
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 4096  # prompt tokens per prefill batch; with chunking, tokens per step
-    enable_chunked_prefill: bool = False  # Sarathi-style: decodes + prompt chunks share each step
-    num_blocks: int = 0  # KV pool size in blocks; 0 = as many as kv_cache_mb holds
-    max_queue_len: int = 1024  # requests + block allocations waiting for KV blocks / a batch slot; more are refused
-    max_queue_wait_s: float = 30.0  # a request still waiting after this fails with RESOURCE_EXHAUSTED (inf: never)
-
-    def __post_init__(self) -> None:
-        """Raises ValueError naming the first setting out of range (flag spelling, as the CLI prints it)."""
-        for flag, value, ok, want in (
-            ("--block-size", self.block_size, self.block_size >= 1, ">= 1"),
-            ("--kv-cache-mb", self.kv_cache_mb, self.kv_cache_mb >= 1, ">= 1"),
-            ("--max-num-seqs", self.max_num_seqs, self.max_num_seqs >= 1, ">= 1"),
-            ("--max-num-batched-tokens", self.max_num_batched_tokens, self.max_num_batched_tokens >= 1, ">= 1"),
-            ("--num-blocks", self.num_blocks, self.num_blocks >= 0, ">= 0 (0: as many as --kv-cache-mb holds)"),
-            ("--max-queue-len", self.max_queue_len, self.max_queue_len >= 1, ">= 1"),
-            ("--max-queue-wait-s", self.max_queue_wait_s, self.max_queue_wait_s > 0, "> 0"),
-        ):
-            if not ok:
-                raise ValueError(f"{flag} must be {want}, got {value}")
 
 
 class AsyncEngine:
@@ -68,7 +46,7 @@ class AsyncEngine:
         mc = lm.config
         self.layout = KVLayout(lm.model_id, mc.num_layers, mc.num_kv_heads, mc.head_dim, config.block_size, mc.dtype)
         num_blocks = config.num_blocks or max(1, config.kv_cache_mb * 2**20 // self.layout.block_nbytes)
-        self.kv_cache = self.layout.allocate_cache(num_blocks)
+        self.kv_cache = allocate_kv_cache(self.layout, num_blocks)
         self.block_manager = BlockManager(num_blocks)
         sched = Scheduler(
             SchedulerConfig(

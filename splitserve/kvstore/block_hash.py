@@ -18,9 +18,9 @@ process or the machine)::
 
 from __future__ import annotations
 
+import struct
 from typing import Sequence
 
-import numpy as np
 import xxhash
 
 from splitserve.transfer.layout import KVLayout
@@ -40,7 +40,7 @@ def chain_hashes(root: bytes, token_ids: Sequence[int], block_size: int) -> list
     n = len(token_ids) // block_size
     if n == 0:
         return []
-    raw = np.asarray(token_ids[: n * block_size], dtype="<u4").tobytes()
+    raw = struct.pack(f"<{n * block_size}I", *token_ids[: n * block_size])  # no numpy: the router hashes too
     step = 4 * block_size
     out, parent = [], root
     for i in range(n):

@@ -19,7 +19,7 @@ import torch
 from splitserve.errors import ChecksumMismatch, LeaseExpired, ObjectNotReady, PdError
 from splitserve.kvstore.block_hash import BlockHasher
 from splitserve.kvstore.client import KVStoreClient, ObjectLocation, PutReport, PutTicket
-from splitserve.transfer.common import byte_view
+from splitserve.transfer.kv_cache import byte_view
 from splitserve.telemetry.store import observe_store_op, record_lookup
 from splitserve.transfer.layout import KVLayout
 

@@ -1,11 +1,43 @@
 """Llama-family model math over a paged KV cache, plus HF/GGUF loaders.
 
-Public API: ``load_model``, ``LoadedModel``, ``ModelConfig``, ``Tokenizer``, ``AttentionMetadata``.
+Public API: ``load_model``, ``LoadedModel``, ``load_model_info``, ``ModelInfo``, ``ModelConfig``,
+``Tokenizer``, ``AttentionMetadata``. Each name is imported on first use (PEP 562), so importing this
+package, or the torch-free ``load_model_info`` / ``ModelConfig`` / ``Tokenizer``, does not load torch.
 """
 
-from splitserve.model.attention import AttentionMetadata
-from splitserve.model.config import ModelConfig
-from splitserve.model.loader import LoadedModel, load_model
-from splitserve.model.tokenizer import Tokenizer
+from __future__ import annotations
 
-__all__ = ["AttentionMetadata", "LoadedModel", "ModelConfig", "Tokenizer", "load_model"]
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "AttentionMetadata": "splitserve.model.attention",
+    "LoadedModel": "splitserve.model.loader",
+    "load_model": "splitserve.model.loader",
+    "ModelInfo": "splitserve.model.info",
+    "load_model_info": "splitserve.model.info",
+    "ModelConfig": "splitserve.model.config",
+    "Tokenizer": "splitserve.model.tokenizer",
+}
+
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:
+    from splitserve.model.attention import AttentionMetadata
+    from splitserve.model.config import ModelConfig
+    from splitserve.model.info import ModelInfo, load_model_info
+    from splitserve.model.loader import LoadedModel, load_model
+    from splitserve.model.tokenizer import Tokenizer
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

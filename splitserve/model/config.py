@@ -3,7 +3,7 @@
 ``ModelConfig`` holds only what the math needs. ``config_from_hf`` reads a Hugging Face
 ``config.json`` dict (transformers 4 and 5 spellings of RoPE settings) and rejects what the
 model code cannot run with ``NotImplementedError``. ``make_model_id`` gives the stable identity
-``"<name>-<12 hex of sha256(canonical config json)>"``.
+``"<name>-<12 hex of sha256(canonical config json)>"``. No torch: the router reads configs too.
 """
 
 from __future__ import annotations
@@ -14,9 +14,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-import torch
-
-DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+from splitserve.dtypes import check_model_dtype
 
 # model_type -> HF architecture class name
 ARCHITECTURES: dict[str, str] = {
@@ -67,8 +65,7 @@ class ModelConfig:
     dtype: str = "float32"
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"unsupported dtype {self.dtype!r}; expected one of {sorted(DTYPES)}")
+        check_model_dtype(self.dtype)
         if self.model_type not in ARCHITECTURES:
             raise NotImplementedError(f"model_type {self.model_type!r} is not supported; supported: {sorted(ARCHITECTURES)}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
@@ -76,10 +73,6 @@ class ModelConfig:
                 raise ValueError(f"config field {name} must be positive, got {getattr(self, name)!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
 
     @property
     def o_proj_bias(self) -> bool:
@@ -188,7 +181,7 @@ class ModelParts(NamedTuple):
     """What a loader hands to ``load_model``: config, HF-named tensors, tokenizer and serving limits."""
 
     config: ModelConfig
-    state_dict: dict[str, torch.Tensor]
+    state_dict: dict[str, Any]  # HF name -> torch.Tensor; empty when read without weights
     tokenizer: Any  # splitserve.model.tokenizer.Tokenizer
     eos_token_ids: tuple[int, ...]
     max_model_len: int

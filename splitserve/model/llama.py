@@ -14,12 +14,13 @@ from splitserve.model.attention import AttentionMetadata, paged_attention, plan_
 from splitserve.model.config import ModelConfig
 from splitserve.model.layers import RMSNorm, SwiGLUMLP
 from splitserve.model.rope import RotaryEmbedding, apply_rope
+from splitserve.transfer.kv_cache import torch_dtype
 
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        dt, h, d = cfg.torch_dtype, cfg.hidden_size, cfg.head_dim
+        dt, h, d = torch_dtype(cfg.dtype), cfg.hidden_size, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
         self.q_proj = nn.Linear(h, cfg.num_heads * d, bias=cfg.attention_bias, dtype=dt)
         self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.attention_bias, dtype=dt)
@@ -48,9 +49,9 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.self_attn = Attention(cfg)
-        self.mlp = SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size, cfg.torch_dtype)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.torch_dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.torch_dtype)
+        self.mlp = SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size, torch_dtype(cfg.dtype))
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, torch_dtype(cfg.dtype))
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, torch_dtype(cfg.dtype))
 
     def forward(self, h, cos, sin, kv_cache, layer, plan):
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, layer, plan)
@@ -60,9 +61,9 @@ class DecoderLayer(nn.Module):
 class DecoderStack(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=cfg.torch_dtype)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=torch_dtype(cfg.dtype))
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.torch_dtype)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, torch_dtype(cfg.dtype))
 
 
 class CausalLM(nn.Module):
@@ -77,7 +78,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = DecoderStack(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=cfg.torch_dtype)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=torch_dtype(cfg.dtype))
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.fast_decode = True
 
@@ -89,7 +90,7 @@ class CausalLM(nn.Module):
     def allocate_kv_cache(self, num_blocks: int, block_size: int, device: torch.device | str | None = None) -> torch.Tensor:
         """Zeroed KV cache of ``kv_cache_shape(...)`` in the model dtype."""
         dev = device if device is not None else self.lm_head.weight.device
-        return torch.zeros(self.kv_cache_shape(num_blocks, block_size), dtype=self.config.torch_dtype, device=dev)
+        return torch.zeros(self.kv_cache_shape(num_blocks, block_size), dtype=torch_dtype(self.config.dtype), device=dev)
 
     @torch.no_grad()
     def forward(
@@ -115,8 +116,8 @@ class CausalLM(nn.Module):
         want = self.kv_cache_shape(kv_cache.shape[0], kv_cache.shape[3]) if kv_cache.dim() == 6 else None
         if want is None or tuple(kv_cache.shape) != want:
             raise ValueError(f"kv_cache shape {tuple(kv_cache.shape)} does not match model layout {want or '(6-D)'}")
-        if kv_cache.dtype != c.torch_dtype:
-            raise ValueError(f"kv_cache dtype {kv_cache.dtype} != model dtype {c.torch_dtype}")
+        if kv_cache.dtype != torch_dtype(c.dtype):
+            raise ValueError(f"kv_cache dtype {kv_cache.dtype} != model dtype {torch_dtype(c.dtype)}")
         dev = self.lm_head.weight.device
         if kv_cache.device != dev:
             raise ValueError(f"kv_cache is on {kv_cache.device} but the model is on {dev}")
@@ -156,7 +157,7 @@ def build_model(cfg: ModelConfig, state_dict: dict[str, torch.Tensor]) -> Causal
     for name, p in expected.items():
         if tuple(sd[name].shape) != tuple(p.shape):
             raise ValueError(f"tensor {name!r} has shape {tuple(sd[name].shape)}, config expects {tuple(p.shape)}")
-    model.load_state_dict({k: v.to(cfg.torch_dtype).contiguous() for k, v in sd.items() if k != head or not cfg.tie_word_embeddings},
+    model.load_state_dict({k: v.to(torch_dtype(cfg.dtype)).contiguous() for k, v in sd.items() if k != head or not cfg.tie_word_embeddings},
                           strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight

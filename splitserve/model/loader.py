@@ -1,15 +1,20 @@
-"""``load_model``: one entry point for HF folders and GGUF files."""
+"""``load_model``: one entry point for HF folders, GGUF files and synthetic models, with weights.
+
+Without weights use :func:`splitserve.model.info.load_model_info`, which does not import torch.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 
-from splitserve.model.config import DTYPES, ModelConfig, make_model_id
+from splitserve.dtypes import check_model_dtype
+from splitserve.model.config import ModelConfig
+from splitserve.model.info import info_of, model_source, read_parts
 from splitserve.model.llama import CausalLM, build_model
 from splitserve.model.loader_gguf import load_gguf_file
 from splitserve.model.loader_hf import load_hf_folder
-from splitserve.model.synthetic import SYNTHETIC_PREFIX, is_synthetic, load_synthetic
+from splitserve.model.synthetic import load_synthetic
 from splitserve.model.tokenizer import Tokenizer
 
 
@@ -20,7 +25,7 @@ class LoadedModel:
     Attributes:
         config: the model's ModelConfig.
         model: CausalLM in eval mode; ``model(input_ids, positions, kv_cache, attn)`` -> float32 logits.
-            None when loaded with ``weights=False`` (config and tokenizer only, e.g. for the router).
+            None when loaded with ``weights=False`` (config and tokenizer only).
         tokenizer: Tokenizer wrapper.
         model_id: ``"<name>-<12 hex of sha256(config.canonical_json())>"``; never a path.
         eos_token_ids: ids that end generation.
@@ -33,6 +38,9 @@ class LoadedModel:
     model_id: str
     eos_token_ids: tuple[int, ...]
     max_model_len: int
+
+
+_WITH_WEIGHTS = {"synthetic": load_synthetic, "hf": load_hf_folder, "gguf": load_gguf_file}
 
 
 def load_model(path: str | Path, dtype: str = "float32", *, weights: bool = True) -> LoadedModel:
@@ -48,31 +56,15 @@ def load_model(path: str | Path, dtype: str = "float32", *, weights: bool = True
         ValueError: bad dtype, not a model folder/GGUF file, or malformed contents.
         NotImplementedError: an architecture or feature the model code does not support.
     """
-    if dtype not in DTYPES:
-        raise ValueError(f"unsupported dtype {dtype!r}; expected one of {sorted(DTYPES)}")
-    if is_synthetic(path):
-        name = str(path)[len(SYNTHETIC_PREFIX):]
-        parts, name = load_synthetic(name, dtype, weights=weights), f"synthetic-{name}"
-        return _loaded(parts, name, weights)
-    p = Path(path)
-    if not p.exists():
-        raise FileNotFoundError(f"model path does not exist: {p}")
-    if p.is_dir():
-        parts, name = load_hf_folder(p, dtype, weights=weights), p.resolve().name
-    elif p.suffix.lower() == ".gguf":
-        parts, name = load_gguf_file(p, dtype, weights=weights), p.stem
-    else:
-        raise ValueError(f"{p} is neither a model folder nor a .gguf file")
-    return _loaded(parts, name, weights)
-
-
-def _loaded(parts, name: str, weights: bool) -> LoadedModel:
-    model = build_model(parts.config, parts.state_dict) if weights else None
+    check_model_dtype(dtype)
+    source = model_source(path)
+    parts = _WITH_WEIGHTS[source.kind](source.location, dtype) if weights else read_parts(source, dtype)
+    info = info_of(parts, source.name)
     return LoadedModel(
-        config=parts.config,
-        model=model,
-        tokenizer=parts.tokenizer,
-        model_id=make_model_id(name, parts.config),
-        eos_token_ids=tuple(parts.eos_token_ids),
-        max_model_len=int(parts.max_model_len),
+        config=info.config,
+        model=build_model(parts.config, parts.state_dict) if weights else None,
+        tokenizer=info.tokenizer,
+        model_id=info.model_id,
+        eos_token_ids=info.eos_token_ids,
+        max_model_len=info.max_model_len,
     )

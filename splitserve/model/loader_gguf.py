@@ -1,8 +1,9 @@
 """Load a llama-family GGUF file (architectures llama, qwen2, qwen3) into HF-named tensors.
 
-llama.cpp's converter permutes the Q and K projection rows of "llama" models so that RoPE rotates
-adjacent pairs; we undo that permutation to get HF's rotate-half layout. Quantized tensors are
-dequantized with ``gguf.quants.dequantize``.
+Metadata, config and tokenizer come from :func:`splitserve.model.gguf_meta.read_gguf`. llama.cpp's
+converter permutes the Q and K projection rows of "llama" models so that RoPE rotates adjacent pairs;
+we undo that permutation to get HF's rotate-half layout. Quantized tensors are dequantized with
+``gguf.quants.dequantize``.
 """
 
 from __future__ import annotations
@@ -13,14 +14,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGUFReader
 from gguf.quants import dequantize
 
-from splitserve.model.config import ARCHITECTURES, ModelConfig, ModelParts
-from splitserve.model.gguf_tokenizer import build_gguf_tokenizer
-from splitserve.model.tokenizer import Tokenizer
+from splitserve.model.config import ModelParts
+from splitserve.model.gguf_meta import read_gguf
 
-_ARCH_TO_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 _PERMUTED_ARCHS = {"llama"}
 _GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
            "output.weight": "lm_head.weight"}
@@ -35,57 +33,6 @@ def unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """Inverse of llama.cpp ``permute``: rows ``[n_head * head_dim, ...]`` from interleaved-pair to rotate-half order."""
     head_dim = w.shape[0] // n_head
     return w.reshape(n_head, head_dim // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape).contiguous()
-
-
-def read_metadata(reader: GGUFReader) -> dict[str, Any]:
-    """All key/value fields (``GGUF.*`` header fields excluded) as Python values."""
-    return {name: f.contents() for name, f in reader.fields.items() if not name.startswith("GGUF.")}
-
-
-def _config(meta: dict[str, Any], arch: str, tensors: dict[str, Any], dtype: str) -> ModelConfig:
-    def get(key: str, default: Any = None) -> Any:
-        value = meta.get(f"{arch}.{key}", default)
-        if value is None:
-            raise ValueError(f"GGUF metadata lacks required key {arch}.{key}")
-        if isinstance(value, list):
-            if len(set(value)) != 1:
-                raise NotImplementedError(f"per-layer {arch}.{key} values {sorted(set(value))} are not supported")
-            value = value[0]
-        return value
-
-    hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
-    head_dim = int(get("attention.key_length", hidden // heads))
-    if int(get("rope.dimension_count", head_dim)) != head_dim:
-        raise NotImplementedError("partial rotary embeddings (rope.dimension_count != head_dim) are not supported")
-    if "rope_freqs.weight" in tensors:
-        raise NotImplementedError("GGUF rope_freqs.weight (llama3 frequency factors) is not supported; use the HF folder")
-    kind = meta.get(f"{arch}.rope.scaling.type", "none")
-    if kind in ("none", None):
-        scaling = None
-    elif kind == "linear":
-        scaling = {"factor": float(get("rope.scaling.factor")), "rope_type": "linear"}
-    else:
-        raise NotImplementedError(f"GGUF rope scaling type {kind!r} is not supported (supported: none, linear)")
-    model_type = _ARCH_TO_TYPE[arch]
-    return ModelConfig(
-        architecture=ARCHITECTURES[model_type],
-        model_type=model_type,
-        vocab_size=int(tensors["token_embd.weight"].shape[-1]),  # GGUF dims are innermost-first
-        hidden_size=hidden,
-        intermediate_size=int(get("feed_forward_length")),
-        num_layers=int(get("block_count")),
-        num_heads=heads,
-        num_kv_heads=int(get("attention.head_count_kv", heads)),
-        head_dim=head_dim,
-        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
-        rope_theta=float(get("rope.freq_base", 10000.0)),
-        rope_scaling=scaling,
-        max_position_embeddings=int(get("context_length")),
-        tie_word_embeddings="output.weight" not in tensors,
-        qk_norm=model_type == "qwen3",
-        attention_bias="blk.0.attn_q.bias" in tensors,
-        dtype=dtype,
-    )
 
 
 def _to_torch(t: Any) -> torch.Tensor:
@@ -103,55 +50,26 @@ def _hf_name(name: str) -> str | None:
     return None
 
 
-def _token_id(meta: dict[str, Any], key: str, n_vocab: int) -> int | None:
-    """A special-token id, or None when absent or a placeholder (e.g. 0xFFFFFFFF)."""
-    v = meta.get(f"tokenizer.ggml.{key}")
-    return int(v) if isinstance(v, int) and 0 <= v < n_vocab else None
-
-
 def load_gguf_file(path: Path, dtype: str = "float32", *, weights: bool = True) -> ModelParts:
-    """Read a GGUF model file.
+    """Read a GGUF model file (``weights=False``: no tensors, ``state_dict`` empty).
 
     Raises:
         FileNotFoundError: no such file.
         ValueError: not a GGUF file, missing metadata, or unknown tensors.
         NotImplementedError: unsupported architecture, tokenizer or RoPE variant.
     """
-    if not path.is_file():
-        raise FileNotFoundError(f"no GGUF file at {path}")
-    try:
-        reader = GGUFReader(str(path))
-    except Exception as e:  # gguf raises ValueError/struct errors on bad magic or truncation
-        raise ValueError(f"{path} is not a readable GGUF file: {e}") from e
-    meta = read_metadata(reader)
-    arch = meta.get("general.architecture")
-    if arch not in _ARCH_TO_TYPE:
-        raise NotImplementedError(f"GGUF architecture {arch!r} is not supported (supported: {sorted(_ARCH_TO_TYPE)})")
-    raw = {t.name: t for t in reader.tensors}
-    if "token_embd.weight" not in raw:
-        raise ValueError(f"{path} has no token_embd.weight tensor")
-    config = _config(meta, arch, raw, dtype)
+    reader, parts = read_gguf(path, dtype)
+    if not weights:
+        return parts
+    config = parts.config
+    permuted = config.model_type in _PERMUTED_ARCHS
     sd: dict[str, torch.Tensor] = {}
-    for name, t in raw.items() if weights else ():
-        hf = _hf_name(name)
+    for t in reader.tensors:
+        hf = _hf_name(t.name)
         if hf is None:
-            raise ValueError(f"unexpected tensor {name!r} in {path}")
+            raise ValueError(f"unexpected tensor {t.name!r} in {path}")
         w = _to_torch(t)
-        if arch in _PERMUTED_ARCHS and (".q_proj." in hf or ".k_proj." in hf):
+        if permuted and (".q_proj." in hf or ".k_proj." in hf):
             w = unpermute_rows(w, config.num_heads if ".q_proj." in hf else config.num_kv_heads)
         sd[hf] = w
-
-    hf_tok = build_gguf_tokenizer(meta)
-    tokens = meta["tokenizer.ggml.tokens"]
-    bos_id = _token_id(meta, "bos_token_id", len(tokens))
-    eos_ids = [i for i in (_token_id(meta, k, len(tokens)) for k in ("eos_token_id", "eot_token_id")) if i is not None]
-    tok = Tokenizer(
-        hf_tok,
-        bos_token=tokens[bos_id] if bos_id is not None else None,
-        eos_token=tokens[eos_ids[0]] if eos_ids else None,
-        add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", meta.get("tokenizer.ggml.model") == "llama")),
-        chat_template=meta.get("tokenizer.chat_template") or None,
-        extra_eos_token_ids=tuple(eos_ids),
-    )
-    eos = tuple(dict.fromkeys(eos_ids)) or tok.eos_token_ids
-    return ModelParts(config, sd, tok, eos, config.max_position_embeddings)
+    return parts._replace(state_dict=sd)

@@ -11,19 +11,24 @@ tokens (and of byte-fallback ``<0x..>`` tokens, which that vocabulary does not h
 every other row is random, so greedy decoding never picks them: each generated token is then
 visible text, i.e. one SSE chunk, which keeps client-side inter-token latency exact (with
 temperature > 0 they are as likely as any other token). Embeddings are untied.
+
+Importing this module does not import torch (``splitserve up`` and the router read the names and
+configs); only building the weights does.
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
-
-import torch
+from typing import TYPE_CHECKING
 
 from splitserve.model.config import ARCHITECTURES, ModelConfig, ModelParts
-from splitserve.model.loader_hf import load_tokenizer
+from splitserve.model.hf_folder import load_tokenizer
 from splitserve.model.tokenizer import Tokenizer
 from splitserve.paths import default_model_path
+
+if TYPE_CHECKING:
+    import torch
 
 SYNTHETIC_PREFIX = "synthetic:"
 INIT_STD = 0.02  # HF initializer_range
@@ -81,6 +86,8 @@ def _seed(name: str) -> int:
 
 def synthetic_state_dict(name: str, config: ModelConfig, excluded: list[int]) -> dict[str, torch.Tensor]:
     """Seeded random tensors with Hugging Face names (float32; ``build_model`` casts to the dtype)."""
+    import torch
+
     from splitserve.model.llama import CausalLM
 
     with torch.device("meta"):
@@ -113,6 +120,8 @@ def load_synthetic(name: str, dtype: str = "float32", *, weights: bool = True) -
 
 def num_parameters(config: ModelConfig) -> int:
     """Parameter count of a config (embedding and lm_head included)."""
+    import torch
+
     from splitserve.model.llama import CausalLM
 
     with torch.device("meta"):

@@ -30,12 +30,13 @@ from __future__ import annotations
 import importlib
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass
-from typing import Callable
-
-import torch
+from typing import TYPE_CHECKING, Callable
 
 from splitserve.errors import KVTransferError
 from splitserve.transfer.layout import KVLayout
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "KVReceiver",

@@ -1,4 +1,7 @@
-"""Backend-independent pieces of the KV transfer: registrations, segments, argument checks.
+"""Backend-independent pieces of the KV transfer: registrations, segments, endpoints, argument checks.
+
+No torch here (the store node uses the endpoint helpers); the KV cache tensor checks are in
+:mod:`splitserve.transfer.kv_cache`.
 
 Both backends use the same :class:`TransferTable`, so "which blocks may be served under which id" has
 exactly one implementation.
@@ -14,7 +17,6 @@ import threading
 from dataclasses import dataclass
 from typing import Sequence
 
-import torch
 import xxhash
 
 from splitserve.errors import InvalidRequest
@@ -38,29 +40,7 @@ class Status(enum.IntEnum):
 
 
 # --------------------------------------------------------------------------------------------------------
-# cache / layout checks
-
-
-def check_cache(kv_cache: torch.Tensor, layout: KVLayout) -> int:
-    """Validate that ``kv_cache`` is the layout's contiguous CPU pool; return its number of blocks."""
-    if not isinstance(kv_cache, torch.Tensor):
-        raise TypeError("kv_cache must be a torch.Tensor")
-    if kv_cache.device.type != "cpu":
-        # The UCX path hands numpy views of host memory to ucxx; device memory would need the
-        # __cuda_array_interface__ path, which is not implemented (and not testable here).
-        raise ValueError(f"kv_cache must be in host memory, got device {kv_cache.device}")
-    if tuple(kv_cache.shape[1:]) != layout.block_shape or kv_cache.dim() != 6:
-        raise ValueError(f"kv_cache shape {tuple(kv_cache.shape)} does not match layout [{layout.describe()}]")
-    if kv_cache.dtype != layout.torch_dtype:
-        raise ValueError(f"kv_cache dtype {kv_cache.dtype} does not match layout dtype {layout.dtype}")
-    if not kv_cache.is_contiguous():
-        raise ValueError("kv_cache must be contiguous (one block-major allocation)")
-    return int(kv_cache.shape[0])
-
-
-def byte_view(kv_cache: torch.Tensor) -> torch.Tensor:
-    """The whole cache as a flat uint8 tensor sharing its memory."""
-    return kv_cache.view(-1).view(torch.uint8)
+# layout
 
 
 def layout_digest(layout: KVLayout) -> int:

@@ -18,15 +18,14 @@ from splitserve.transfer.base import KVReceiver, KVSender, OnDone, TransferRefus
 from splitserve.transfer.common import (
     Status,
     TransferTable,
-    byte_view,
     call_on_done,
-    check_cache,
     compute_segments,
     format_endpoint,
     layout_digest,
     parse_endpoint,
     segments_checksum,
 )
+from splitserve.transfer.kv_cache import byte_view, check_cache
 from splitserve.transfer.layout import KVLayout
 from splitserve.telemetry.transfer import start_send
 

@@ -1,14 +1,15 @@
-"""KV layout: what must match between a prefill and a decode worker before KV bytes move."""
+"""KV layout: what must match between a prefill and a decode worker before KV bytes move.
+
+A plain value (no torch): the router and the KV store use it without loading torch. The KV cache
+tensor itself is allocated by :func:`splitserve.transfer.kv_cache.allocate_kv_cache`.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
+from splitserve.dtypes import itemsize
 from splitserve.errors import KVLayoutMismatch
-
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,7 +24,7 @@ class KVLayout:
         model_id: model identity (name plus a digest of its config), never a path.
         num_layers, num_kv_heads, head_dim: from the model config.
         block_size: tokens per KV block.
-        dtype: "float32", "float16" or "bfloat16".
+        dtype: a name of :data:`splitserve.dtypes.DTYPE_ITEMSIZE` ("float32", "float16", "bfloat16", ...).
     """
 
     model_id: str
@@ -34,19 +35,15 @@ class KVLayout:
     dtype: str
 
     @property
-    def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
-
-    @property
     def block_shape(self) -> tuple[int, int, int, int, int]:
         """Shape of one KV block: (num_layers, 2, block_size, num_kv_heads, head_dim)."""
         return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
 
     @property
     def block_nbytes(self) -> int:
-        """Bytes of one KV block across all layers, K and V."""
+        """Bytes of one KV block across all layers, K and V. Raises ValueError for an unknown dtype."""
         n = self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim
-        return n * torch.tensor([], dtype=self.torch_dtype).element_size()
+        return n * itemsize(self.dtype)
 
     def describe(self) -> str:
         return (
@@ -58,7 +55,3 @@ class KVLayout:
         """Raise KVLayoutMismatch (names both layouts) unless ``remote`` equals this layout."""
         if remote != self:
             raise KVLayoutMismatch(f"KV layout mismatch: local [{self.describe()}] vs remote [{remote.describe()}]")
-
-    def allocate_cache(self, num_blocks: int) -> torch.Tensor:
-        """Zeroed KV cache ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``."""
-        return torch.zeros((num_blocks, *self.block_shape), dtype=self.torch_dtype)

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from splitserve.transfer.common import byte_view
+from splitserve.transfer.kv_cache import allocate_kv_cache, byte_view
 from splitserve.transfer.layout import KVLayout
 
 # ------------------------------------------------------------------------------------------------ patterns
@@ -63,7 +63,7 @@ def _child_main(conn, layout_fields: dict, num_blocks: int, salt: int, env: dict
 async def _child_async(conn, layout: KVLayout, num_blocks: int, salt: int, kind: str, options: dict) -> None:
     from splitserve.transfer import create_sender  # noqa: PLC0415
 
-    pool = layout.allocate_cache(num_blocks)
+    pool = allocate_kv_cache(layout, num_blocks)
     fill_pattern(pool, salt)
     sender = create_sender(kind, pool, layout, host="127.0.0.1", port=0, **options)
     await sender.start()

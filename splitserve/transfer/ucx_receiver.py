@@ -20,13 +20,12 @@ from splitserve.transfer import wire
 from splitserve.transfer.base import KVReceiver, TransferRefused, TransferStats
 from splitserve.transfer.common import (
     Status,
-    byte_view,
-    check_cache,
     compute_segments,
     layout_digest,
     parse_endpoint,
     segments_checksum,
 )
+from splitserve.transfer.kv_cache import byte_view, check_cache
 from splitserve.transfer.layout import KVLayout
 from splitserve.transfer.ucx_endpoints import EndpointCache
 from splitserve.transfer.ucx_requests import Posted

@@ -21,13 +21,12 @@ from splitserve.transfer.common import (
     Status,
     TransferTable,
     advertise_host,
-    byte_view,
     call_on_done,
-    check_cache,
     format_endpoint,
     layout_digest,
     segments_checksum,
 )
+from splitserve.transfer.kv_cache import byte_view, check_cache
 from splitserve.transfer.layout import KVLayout
 from splitserve.transfer.ucx_listener import UcxServer
 from splitserve.transfer.ucx_requests import Posted

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from splitserve.config_checks import check_port
 from splitserve.engine.args import add_engine_args, engine_config
-from splitserve.engine.async_engine import EngineConfig
+from splitserve.engine.config import EngineConfig
 from splitserve.errors import InvalidRequest
 from splitserve.kvstore.config import StoreClientConfig, add_store_args, store_config
 from splitserve.rpc.keepalive import KeepaliveConfig, add_keepalive_args, keepalive_config

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 
 from pd.v1 import router_pb2, router_pb2_grpc
@@ -51,10 +50,6 @@ async def serve(config: RouterConfig) -> None:
         raise SystemExit(f"router: HTTP server failed to start on {config.host}:{config.http_port}")
     with untraced():  # start-up polling, not request traffic: no error spans while workers start
         layout_check = asyncio.create_task(backend.check_layouts())  # workers may still be starting
-    # start-up objects (torch, tokenizer, model info: ~200k) move to the permanent generation, so full
-    # collections stop walking them (they stalled the event loop ~0.5 s; Python docs, gc.freeze)
-    gc.collect()
-    gc.freeze()
     await set_serving(health, [SERVICE])
     logger.info(
         "router ready: http http://%s:%d/v1, grpc %s:%d%s, model %s, prefill %s, decode %s%s",

@@ -1,0 +1,33 @@
+"""Engine settings: a plain frozen dataclass (no torch), so configs and ``splitserve up`` can check them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Sizes and limits of one engine: KV block size and pool, batch limits, admission queue."""
+
+    block_size: int = 16  # tokens per KV block
+    kv_cache_mb: int = 256  # size of the preallocated KV pool, MiB
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 4096  # prompt tokens per prefill batch; with chunking, tokens per step
+    enable_chunked_prefill: bool = False  # Sarathi-style: decodes + prompt chunks share each step
+    num_blocks: int = 0  # KV pool size in blocks; 0 = as many as kv_cache_mb holds
+    max_queue_len: int = 1024  # requests + block allocations waiting for KV blocks / a batch slot; more are refused
+    max_queue_wait_s: float = 30.0  # a request still waiting after this fails with RESOURCE_EXHAUSTED (inf: never)
+
+    def __post_init__(self) -> None:
+        """Raises ValueError naming the first setting out of range (flag spelling, as the CLI prints it)."""
+        for flag, value, ok, want in (
+            ("--block-size", self.block_size, self.block_size >= 1, ">= 1"),
+            ("--kv-cache-mb", self.kv_cache_mb, self.kv_cache_mb >= 1, ">= 1"),
+            ("--max-num-seqs", self.max_num_seqs, self.max_num_seqs >= 1, ">= 1"),
+            ("--max-num-batched-tokens", self.max_num_batched_tokens, self.max_num_batched_tokens >= 1, ">= 1"),
+            ("--num-blocks", self.num_blocks, self.num_blocks >= 0, ">= 0 (0: as many as --kv-cache-mb holds)"),
+            ("--max-queue-len", self.max_queue_len, self.max_queue_len >= 1, ">= 1"),
+            ("--max-queue-wait-s", self.max_queue_wait_s, self.max_queue_wait_s > 0, "> 0"),
+        ):
+            if not ok:
+                raise ValueError(f"{flag} must be {want}, got {value}")
