@@ -19,7 +19,7 @@ from splitserve.rpc.tls import TlsConfig
 from splitserve.served_model import ServedModel
 from splitserve.services.decode.server import DecodeServicer
 from splitserve.services.prefill.server import PrefillServicer
-from splitserve.services.router.failover import RoutedBackend
+from splitserve.services.router.backend import RoutedBackend
 from splitserve.services.router.registry import WorkerRegistry
 from splitserve.services.router.grpc_api import RouterServicer
 from splitserve.transfer import create_receiver, create_sender
