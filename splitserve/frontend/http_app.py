@@ -167,7 +167,9 @@ class _OpenAIServer:
             return JSONResponse({"status": "ok"})
         return error_response(APIError("backend not ready", status=503, type="server_error", code="not_ready"))
 
-    async def _serve(self, request: Request, req: GenerationRequest, prepared: PreparedRequest, fmt: ResponseFormatter) -> Response:
+    async def _serve(
+        self, request: Request, req: GenerationRequest, prepared: PreparedRequest, fmt: ResponseFormatter
+    ) -> Response:
         deadline = deadline_after(self.request_timeout_s)
         prompt_ids, params = prepared.prompt_ids, prepared.params
         deltas = observe_request(  # request span + TTFT/ITL metrics around the pipeline
