@@ -12,6 +12,7 @@ import httpx
 from pd.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc, router_pb2_grpc
 
 from splitserve.engine.async_engine import AsyncEngine, EngineConfig
+from splitserve.frontend.grpc_api import RouterServicer
 from splitserve.frontend.http_app import build_app
 from splitserve.launcher import free_port
 from splitserve.rpc.server import bind, channel, create_server
@@ -19,9 +20,8 @@ from splitserve.rpc.tls import TlsConfig
 from splitserve.served_model import ServedModel
 from splitserve.services.decode.server import DecodeServicer
 from splitserve.services.prefill.server import PrefillServicer
-from splitserve.services.router.failover import RoutedBackend
+from splitserve.services.router.backend import RoutedBackend
 from splitserve.services.router.registry import WorkerRegistry
-from splitserve.services.router.grpc_api import RouterServicer
 from splitserve.transfer import create_receiver, create_sender
 
 

@@ -15,12 +15,12 @@ import pytest
 from pd.v1 import common_pb2, router_pb2, router_pb2_grpc
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
 
+from splitserve.frontend.grpc_api import RouterServicer
 from splitserve.frontend.http_app import build_app
 from splitserve.frontend.offload import Offload
 from splitserve.frontend.prompt_limit import PromptLimit
 from splitserve.frontend.testing import ScriptedBackend, SimpleModelInfo, SimpleTokenizer
 from splitserve.rpc.server import bind, channel, create_server
-from splitserve.services.router.grpc_api import RouterServicer
 
 TOKENIZER_JSON = "/work/shared/models/TinyStories-656K/tokenizer.json"
 MODEL = "tinystories"
@@ -129,7 +129,7 @@ async def test_grpc_prompt_is_tokenized_off_the_event_loop_and_refused_early_whe
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 async for _ in stub.Generate(router_pb2.GenerateRequest(prompt="x" * 2_000_000)):
                     pass
-            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "cannot fit the context" in err.value.details()
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "maximum context length is 512 tokens" in err.value.details()
             assert len(tok.encoded) == n  # refused without tokenizing
     finally:
         await server.stop(0)

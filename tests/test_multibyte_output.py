@@ -11,12 +11,12 @@ import httpx
 import pytest
 from pd.v1 import common_pb2, router_pb2, router_pb2_grpc
 
+from splitserve.frontend.grpc_api import RouterServicer
 from splitserve.frontend.http_app import build_app
 from splitserve.frontend.testing import ScriptedBackend, SimpleModelInfo
 from splitserve.model import load_model
 from splitserve.paths import MODELS_DIR
 from splitserve.rpc.server import bind, channel, create_server
-from splitserve.services.router.grpc_api import RouterServicer
 
 TEXT = "Lily saw 日本 café 😀! Ünïcödé ✓"
 EXPECTED = " " + TEXT  # after the prompt, the first token's word-start marker is a space

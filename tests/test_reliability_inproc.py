@@ -266,7 +266,7 @@ async def test_deadlines_propagate_as_remaining_time_and_none_is_imposed(lm):
     from splitserve.rpc.server import bind, create_server
     from splitserve.served_model import ServedModel
     from tests.inproc_cluster import static_backend
-    from splitserve.services.router.grpc_api import RouterServicer
+    from splitserve.frontend.grpc_api import RouterServicer
     from pd.v1 import router_pb2_grpc
     import httpx
 

@@ -13,10 +13,10 @@ from pd.v1 import router_pb2_grpc
 
 from splitserve.config_checks import check_port
 from splitserve.engine.args import add_engine_args, engine_config
-from splitserve.services.router.grpc_api import RouterServicer
 from splitserve.colocated.backend import LocalBackend
 from splitserve.engine.async_engine import AsyncEngine, set_torch_threads
 from splitserve.frontend.draining import DrainMiddleware
+from splitserve.frontend.grpc_api import RouterServicer
 from splitserve.frontend.http_app import build_app
 from splitserve.frontend.http_server import http_server
 from splitserve.logs import setup_logging

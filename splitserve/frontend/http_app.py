@@ -19,9 +19,9 @@ with ``api_key`` every route but ``/health`` needs ``Authorization: Bearer <key>
 JSON and text (unpaired surrogates, NaN, duplicate keys, deep nesting, wrong types) are 400s
 (:mod:`.json_body`, :mod:`.protocol`).
 
-Preparing a request (parsing, chat template, tokenization) runs in worker threads
-(:class:`.offload.Offload`), never on the event loop, and a text prompt that cannot fit the
-context is refused before it is tokenized (:mod:`.prompt_limit`).
+Preparing a request (parsing, chat template, tokenization, the checks shared with the gRPC front
+door in :mod:`.prepare`) runs in worker threads (:class:`.offload.Offload`), never on the event loop,
+and a text prompt that cannot fit the context is refused before it is tokenized (:mod:`.prompt_limit`).
 """
 
 from __future__ import annotations
@@ -40,14 +40,12 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from splitserve.deadline import deadline_after
-from splitserve.engine.sampling import SamplingParams
 from splitserve.frontend.auth import ApiKeyMiddleware
 from splitserve.frontend.backend import GenerationBackend, ModelInfo
-from splitserve.frontend.chat import encode_chat
 from splitserve.frontend.errors import APIError, error_response, to_api_error
 from splitserve.frontend.offload import Offload
 from splitserve.frontend.pipeline import TextDelta, generate_text
-from splitserve.frontend.prompt_limit import PromptLimit
+from splitserve.frontend.prepare import ChatPrompt, PreparedRequest, RequestPreparer
 from splitserve.frontend.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest, ModelCard
 from splitserve.frontend.responses import ChatFormatter, CompletionFormatter, Outcome, ResponseFormatter
 from splitserve.frontend.sse import DONE, SSEResponse, cancel_on_disconnect, sse_event
@@ -118,43 +116,41 @@ class _OpenAIServer:
         self.request_timeout_s = request_timeout_s
         self.max_body_bytes = max_body_bytes
         self.offload = offload
-        self.prompt_limit = PromptLimit(self.tokenizer, model_info.max_model_len)
+        self.preparer = RequestPreparer(self.tokenizer, model_info.max_model_len)
 
     async def completions(self, request: Request) -> Response:
         """``POST /v1/completions``."""
         try:
             body = await v.read_body(request, self.max_body_bytes)
-            req, prompt_ids, params = await self.offload.run(len(body), self._prepare_completion, body)
+            req, prepared = await self.offload.run(len(body), self._prepare_completion, body)
         except Exception as e:
             return error_response(e)
         fmt = CompletionFormatter(id=f"cmpl-{uuid.uuid4().hex}", model=self.info.name)
-        return await self._serve(request, req, prompt_ids, params, fmt)
+        return await self._serve(request, req, prepared, fmt)
 
     async def chat_completions(self, request: Request) -> Response:
         """``POST /v1/chat/completions``."""
         try:
             body = await v.read_body(request, self.max_body_bytes)
-            req, prompt_ids, params = await self.offload.run(len(body), self._prepare_chat, body)
+            req, prepared = await self.offload.run(len(body), self._prepare_chat, body)
         except Exception as e:
             return error_response(e)
         fmt = ChatFormatter(id=f"chatcmpl-{uuid.uuid4().hex}", model=self.info.name)
-        return await self._serve(request, req, prompt_ids, params, fmt)
+        return await self._serve(request, req, prepared, fmt)
 
-    def _prepare_completion(self, body: bytes) -> tuple[CompletionRequest, list[int], SamplingParams]:
+    def _prepare_completion(self, body: bytes) -> tuple[CompletionRequest, PreparedRequest]:
         """Body -> validated request, prompt ids, sampling params (a worker thread; raises APIError)."""
         req = v.parse_request(body, CompletionRequest, v.UNSUPPORTED_COMPLETION)
         v.check_model(req.model, self.info.name)
-        prompt_ids = v.completion_prompt_ids(req, self.tokenizer, self.prompt_limit)
         requested = COMPLETION_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
-        return req, prompt_ids, self._params(req, prompt_ids, requested, "prompt")
+        return req, self.preparer.prepare(v.completion_prompt(req), v.sampling_request(req, requested), "prompt")
 
-    def _prepare_chat(self, body: bytes) -> tuple[ChatCompletionRequest, list[int], SamplingParams]:
+    def _prepare_chat(self, body: bytes) -> tuple[ChatCompletionRequest, PreparedRequest]:
         """Body -> validated request, rendered and encoded prompt, sampling params (a worker thread)."""
         req = v.parse_request(body, ChatCompletionRequest, v.UNSUPPORTED_CHAT)
         v.check_model(req.model, self.info.name)
-        messages = [m.template_dict() for m in req.messages]
-        prompt_ids = encode_chat(self.tokenizer, messages, self.prompt_limit)
-        return req, prompt_ids, self._params(req, prompt_ids, req.requested_max_tokens, "messages")
+        messages = ChatPrompt([m.template_dict() for m in req.messages])
+        return req, self.preparer.prepare(messages, v.sampling_request(req, req.requested_max_tokens), "messages")
 
     async def models(self, request: Request) -> Response:
         """``GET /v1/models``: the one served model."""
@@ -171,18 +167,13 @@ class _OpenAIServer:
             return JSONResponse({"status": "ok"})
         return error_response(APIError("backend not ready", status=503, type="server_error", code="not_ready"))
 
-    def _params(self, req: GenerationRequest, prompt_ids: list[int], requested: int | None, param: str) -> SamplingParams:
-        if req.stop_token_ids:
-            v.check_token_ids(req.stop_token_ids, self.tokenizer, "stop_token_ids")
-        max_tokens = v.completion_budget(len(prompt_ids), requested, self.info.max_model_len, param)
-        return v.sampling_params(req, max_tokens)
-
     async def _serve(
-        self, request: Request, req: GenerationRequest, prompt_ids: list[int], params: SamplingParams, fmt: ResponseFormatter
+        self, request: Request, req: GenerationRequest, prepared: PreparedRequest, fmt: ResponseFormatter
     ) -> Response:
         deadline = deadline_after(self.request_timeout_s)
+        prompt_ids, params = prepared.prompt_ids, prepared.params
         deltas = observe_request(  # request span + TTFT/ITL metrics around the pipeline
-            generate_text(self.backend, self.tokenizer, fmt.id, prompt_ids, params, req.stop_list(), deadline),
+            generate_text(self.backend, self.tokenizer, fmt.id, prompt_ids, params, prepared.stop, deadline),
             model=self.info.name, request_id=fmt.id, prompt_tokens=len(prompt_ids), params=params, stream=req.stream,
         )
         headers = {"x-request-id": fmt.id}

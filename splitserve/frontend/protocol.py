@@ -19,8 +19,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, field_validator, model_validator
 
-MAX_STOP_STRINGS = 4
-
+from splitserve.frontend.prepare import check_stop_strings
 
 def _integral_float_to_int(v: Any) -> Any:
     return int(v) if isinstance(v, float) and v.is_integer() else v
@@ -61,11 +60,7 @@ class GenerationRequest(BaseModel):
     @field_validator("stop")
     @classmethod
     def _check_stop(cls, v: str | list[str] | None) -> str | list[str] | None:
-        items = [v] if isinstance(v, str) else (v or [])
-        if len(items) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop sequences are allowed, got {len(items)}")
-        if any(s == "" for s in items):
-            raise ValueError("stop sequences must not be empty strings")
+        check_stop_strings([v] if isinstance(v, str) else (v or []))
         return v
 
     @field_validator("seed")

@@ -1,21 +1,21 @@
-"""Turning a raw request body into validated inputs, or an :class:`APIError` (400/404).
+"""Turning a raw HTTP request body into a validated OpenAI request, or an :class:`APIError` (400/404/413).
 
-Covers: malformed JSON, pydantic errors (reported as 400 with a readable message and
-``param``, not FastAPI's 422), fields this server does not support, the model name,
-prompt normalisation, the context-length budget and :class:`SamplingParams`.
+Covers: the body size, malformed JSON, pydantic errors (reported as 400 with a readable message and
+``param``, not FastAPI's 422), fields this server does not support, the model name, and mapping the
+request to the inputs of :class:`.prepare.RequestPreparer` (which checks the prompt, the context-length
+budget and the sampling parameters for every front door).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from splitserve.engine.sampling import SamplingParams
 from splitserve.frontend.errors import APIError, model_not_found
 from splitserve.frontend.json_body import parse_json_object
-from splitserve.frontend.prompt_limit import PromptLimit
+from splitserve.frontend.prepare import SamplingRequest
 from splitserve.frontend.protocol import CompletionRequest, GenerationRequest
 
 M = TypeVar("M", bound=BaseModel)
@@ -181,14 +181,11 @@ def check_model(requested: str | None, served: str) -> None:
         raise model_not_found(requested)
 
 
-def completion_prompt_ids(req: CompletionRequest, tokenizer: Any, limit: PromptLimit | None = None) -> list[int]:
-    """Token ids of the single prompt of a completion request (CPU-heavy: call it off the event loop).
-
-    ``limit`` refuses a text prompt that cannot fit the context before it is tokenized.
+def completion_prompt(req: CompletionRequest) -> str | list[int]:
+    """The single prompt of a completion request (text or token ids), for :class:`.prepare.RequestPreparer`.
 
     Raises:
-        APIError: 400 for batched prompts (several prompts), an empty prompt, a text prompt
-            that cannot fit (context_length_exceeded), or token ids outside the vocabulary.
+        APIError: 400 for batched prompts (several prompts in one request).
     """
     prompt: Any = req.prompt
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
@@ -199,58 +196,19 @@ def completion_prompt_ids(req: CompletionRequest, tokenizer: Any, limit: PromptL
                 param="prompt",
             )
         prompt = prompt[0]
-    if len(prompt) == 0:
-        raise APIError("The prompt must not be empty.", param="prompt")
-    if isinstance(prompt, str):
-        if limit is not None:
-            limit.check(prompt, "prompt")
-        return list(tokenizer.encode(prompt, add_special_tokens=True))
-    check_token_ids(prompt, tokenizer, "prompt")
-    return list(prompt)
+    return prompt
 
 
-def check_token_ids(ids: Sequence[int], tokenizer: Any, param: str) -> None:
-    """Raise a 400 when an id is outside the tokenizer's vocabulary."""
-    vocab = tokenizer.hf.get_vocab_size(with_added_tokens=True)
-    bad = [t for t in ids if not 0 <= t < vocab]
-    if bad:
-        raise APIError(f"Token id {bad[0]} in '{param}' is out of range [0, {vocab}).", param=param)
-
-
-def completion_budget(prompt_len: int, requested: int | None, max_model_len: int, param: str) -> int:
-    """The max_tokens to use: ``requested``, or all the room left when None.
-
-    Raises:
-        APIError: 400 ``context_length_exceeded`` when prompt + completion does not fit.
-    """
-    max_tokens = requested if requested is not None else max_model_len - prompt_len
-    if max_tokens < 1 or prompt_len + max_tokens > max_model_len:
-        shown = requested if requested is not None else 1
-        raise APIError(
-            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-            f"{prompt_len + shown} tokens ({prompt_len} in the prompt, {shown} in the completion). "
-            "Please reduce the length of the prompt or completion.",
-            param=param,
-            code="context_length_exceeded",
-        )
-    return max_tokens
-
-
-def sampling_params(req: GenerationRequest, max_tokens: int) -> SamplingParams:
-    """Build :class:`SamplingParams` (OpenAI defaults: temperature 1, top_p 1).
-
-    Raises:
-        APIError: 400 when SamplingParams rejects a value.
-    """
-    try:
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=-1 if req.top_k is None else req.top_k,
-            seed=req.seed,
-            stop_token_ids=tuple(req.stop_token_ids or ()),
-            ignore_eos=req.ignore_eos,
-        )
-    except ValueError as e:
-        raise APIError(str(e)) from None
+def sampling_request(req: GenerationRequest, max_tokens: int | None) -> SamplingRequest:
+    """The request's sampling fields with OpenAI's defaults (temperature 1, top_p 1; top_k off);
+    ``max_tokens`` None: all the room the prompt leaves."""
+    return SamplingRequest(
+        max_tokens=max_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=-1 if req.top_k is None else req.top_k,
+        seed=req.seed,
+        stop_token_ids=tuple(req.stop_token_ids or ()),
+        ignore_eos=req.ignore_eos,
+        stop=tuple(req.stop_list()),
+    )

@@ -1,80 +1,152 @@
-"""What every router backend shares: the KV layout check at start-up, stats, and releasing KV that no decode
-worker will pull.
+"""RoutedBackend: the router's GenerationBackend. Disaggregated generation over the worker registry, a routing
+policy, conditional disaggregation and failover.
 
-The request path (routing, failover, retries, deadlines) is :class:`~splitserve.services.router.failover.RoutedBackend`,
-which builds on this class.
+Per request (:meth:`RoutedBackend.generate`):
 
-* KV that the prefill worker holds for a decode leg that never started, or that the decode worker recomputed
-  instead of pulling (``kv_recomputed``), is released at once (ReleaseKV, in the background, so it survives the
-  request's cancellation); otherwise the prefill worker's lease frees it.
+1. Wait (briefly) for a decode worker to be up; pick one with the policy.
+2. Prefill leg (:mod:`.prefill_leg`): pick a prefill worker, decide local or remote prefill from the *uncached*
+   prompt tokens, prefill remotely with retries on other prefill workers, else fall back to local prefill.
+3. Decode leg (:mod:`.decode_leg`): stream the tokens from the decode worker (with the prefill's KV handle, or
+   prefilling locally), retrying on another decode worker until the stream starts, under a stall guard; KV no
+   decode worker pulled is released on exit (:mod:`.kv_release`).
+
+Hung workers: gRPC keepalive fails the calls to a stopped or unreachable worker with UNAVAILABLE
+(``splitserve.rpc.keepalive``); a decode stream that sends nothing for ``decode_stall_timeout_s`` fails the same way
+(:mod:`.stall`). Either takes the worker out of rotation, before or after the first token.
+
+Clients cannot pick workers: addresses come only from the registry (router configuration).
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
+import contextlib
 from collections import Counter
-from typing import Protocol
+from collections.abc import AsyncIterator
 
-import grpc
-from pd.v1 import common_pb2, prefill_pb2
+from splitserve.engine.sampling import SamplingParams
+from splitserve.errors import WorkerUnavailable
+from splitserve.frontend.backend import TokenEvent
+from splitserve.rpc.convert import sampling_to_proto
+from splitserve.services.router.decode_leg import DecodeLeg
+from splitserve.services.router.disaggregation import DisaggregationPolicy
+from splitserve.services.router.kv_release import KVRelease
+from splitserve.services.router.layouts import check_layouts
+from splitserve.services.router.policies import Policy, RoundRobin
+from splitserve.services.router.prefill_leg import prefill_leg
+from splitserve.services.router.registry import DECODE, PREFILL, WorkerRegistry, WorkerState
+from splitserve.telemetry.metrics import ROUTER_WORKER_PICKS
 
-from splitserve.rpc.convert import layout_from_proto
 
-logger = logging.getLogger(__name__)
+class RoutedBackend:
+    """GenerationBackend over a :class:`WorkerRegistry` (see the module docstring).
 
+    Args:
+        registry: the workers (its poll loop is started by :meth:`start`).
+        policy: routing policy (default round robin).
+        disagg: conditional disaggregation (default: always remote).
+        prefill_timeout_s: deadline of one Prefill call, in seconds.
+        prefill_attempts / decode_attempts: bounded tries on distinct workers of each role.
+        wait_for_workers_s: how long a request waits for a worker of a role to be up before failing
+            with UNAVAILABLE (covers start-up and a short outage).
+        local_prefill_fallback: prefill on the decode worker when no prefill worker is up or succeeded
+            (off: such requests fail with UNAVAILABLE).
+        decode_stall_timeout_s: a decode stream with no message for this long fails as UNAVAILABLE (None: no limit).
 
-class _Worker(Protocol):
-    address: str
-    stub: object
+    Attributes:
+        counters: request, retry, fallback, stall and KV release counts (:meth:`stats`).
+        streams_open: requests being generated now.
+    """
 
+    def __init__(self, registry: WorkerRegistry, policy: Policy | None = None, disagg: DisaggregationPolicy | None = None,
+                 *, prefill_timeout_s: float = 60.0, prefill_attempts: int = 2, decode_attempts: int = 2,
+                 wait_for_workers_s: float = 5.0, local_prefill_fallback: bool = True,
+                 decode_stall_timeout_s: float | None = 60.0) -> None:
+        self.registry = registry
+        self.policy = policy or RoundRobin()
+        self.disagg = disagg or DisaggregationPolicy("always")
+        self.prefill_timeout_s = prefill_timeout_s
+        self.prefill_attempts, self.decode_attempts = max(prefill_attempts, 1), max(decode_attempts, 1)
+        self.wait_for_workers_s = wait_for_workers_s
+        self.local_prefill_fallback = local_prefill_fallback
+        self.decode_stall_timeout_s = decode_stall_timeout_s
+        self.counters: Counter[str] = Counter()
+        self.streams_open = 0
+        self.kv_release = KVRelease(self.counters)
+        self._block_size_set = False
 
-class DisaggregatedBackend:
-    """Base of the router's GenerationBackend. Subclasses set ``prefill_workers`` and ``decode_workers`` (objects
-    with ``address`` and ``stub``), ``counters`` (a Counter), ``streams_open`` and ``_background`` (a set of tasks)."""
+    def start(self) -> None:
+        self.registry.start()
 
-    prefill_workers: list[_Worker]
-    decode_workers: list[_Worker]
-    counters: Counter[str]
-    streams_open: int
-    _background: set[asyncio.Task]
+    async def ready(self) -> bool:
+        """Serving is possible: at least one decode worker is up (prefill can fall back to local)."""
+        return bool(self.registry.up(DECODE))
 
     async def check_layouts(self, retry_s: float = 1.0) -> None:
-        """Log an error for every prefill/decode pair whose KV layouts differ (requests to such a pair
-        fail with FAILED_PRECONDITION). Retries workers that are still starting."""
-        layouts = {}
-        while len(layouts) < len(self.prefill_workers) + len(self.decode_workers):
-            for w in self.prefill_workers + self.decode_workers:
-                if w.address in layouts:
-                    continue
-                try:
-                    resp = await w.stub.GetKVLayout(common_pb2.GetKVLayoutRequest(), timeout=5)
-                    layouts[w.address] = layout_from_proto(resp.layout)
-                except grpc.aio.AioRpcError:
-                    pass
-            if len(layouts) < len(self.prefill_workers) + len(self.decode_workers):
-                await asyncio.sleep(retry_s)
-        for p in self.prefill_workers:
-            for d in self.decode_workers:
-                if layouts[p.address] != layouts[d.address]:
-                    logger.error("KV layout of prefill %s [%s] differs from decode %s [%s]", p.address,
-                                 layouts[p.address].describe(), d.address, layouts[d.address].describe())
+        """Log an error for every prefill/decode pair whose KV layouts differ (:func:`.layouts.check_layouts`)."""
+        await check_layouts(self.registry.workers[PREFILL], self.registry.workers[DECODE], retry_s)
+
+    def workers_view(self) -> dict:
+        return {"policy": self.policy.name, "disaggregation": self.disagg.describe(), "workers": self.registry.snapshot()}
 
     def stats(self) -> dict[str, float]:
-        return {"streams_open": self.streams_open, "background_tasks": len(self._background), **self.counters}
+        return {"streams_open": self.streams_open, "background_tasks": len(self.kv_release.tasks), **self.counters}
 
-    def _release_soon(self, prefill: _Worker, transfer_id: str) -> None:
-        """Tell the prefill worker to free KV no decode worker will pull (best effort, in the background)."""
-        task = asyncio.get_running_loop().create_task(self._release(prefill, transfer_id))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+    def pick(self, role: str, prompt: list[int], exclude: set[str]) -> WorkerState | None:
+        """A worker of ``role`` chosen by the policy among those up and not in ``exclude`` (addresses); None if none."""
+        candidates = [w for w in self.registry.up(role) if w.address not in exclude]
+        if not candidates:
+            return None
+        w = self.policy.pick(role, candidates, prompt)
+        w.picks += 1
+        ROUTER_WORKER_PICKS.labels(role, w.address).inc()
+        return w
 
-    async def _release(self, prefill: _Worker, transfer_id: str) -> None:
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, deadline: float | None = None
+    ) -> AsyncIterator[TokenEvent]:
+        """Stream the request's tokens. ``deadline``: absolute ``time.monotonic()`` time, or None.
+
+        Raises:
+            WorkerUnavailable: no decode worker is up (after ``wait_for_workers_s``), or no prefill worker when
+                the request may not be prefilled locally.
+            PdError: the typed error of a worker failure that was not moved to another worker.
+        """
+        self.counters["requests"] += 1
+        self.streams_open += 1
         try:
-            resp = await prefill.stub.ReleaseKV(prefill_pb2.ReleaseKVRequest(transfer_id=transfer_id), timeout=5)
-            if resp.released:
-                self.counters["kv_released"] += 1
-        except grpc.aio.AioRpcError as exc:
-            logger.warning("could not release KV %s on %s: %s", transfer_id, prefill.address, exc.code().name)
-        except Exception as exc:  # e.g. the channel was closed at shutdown; the lease frees the KV
-            logger.warning("could not release KV %s on %s: %r", transfer_id, prefill.address, exc)
+            self._sync_block_size()
+            await self._wait_for_workers()
+            prompt = prompt_token_ids
+            sampling = sampling_to_proto(params)
+            decode = self.pick(DECODE, prompt, set())
+            remote = await prefill_leg(self, request_id, prompt, sampling, decode, deadline)
+            only = remote.final_event() if remote is not None else None
+            if only is not None:  # prefill alone finished the request: no decode leg, no KV left
+                yield only
+                return
+            leg = DecodeLeg(self, request_id, prompt, sampling, decode, remote, deadline)
+            async with contextlib.aclosing(leg.events()) as events:
+                async for ev in events:
+                    yield ev
+        finally:
+            self.streams_open -= 1
+
+    async def _wait_for_workers(self) -> None:
+        if not await self.registry.wait_for(DECODE, self.wait_for_workers_s):
+            raise WorkerUnavailable("no decode worker is up")
+        if not self.registry.up(PREFILL) and self.disagg.mode == "always":
+            await self.registry.wait_for(PREFILL, min(self.wait_for_workers_s, 1.0))
+
+    def _sync_block_size(self) -> None:
+        """Give a prefix-aware policy the workers' KV block_size (tokens) once a worker has reported its layout."""
+        if self._block_size_set or not hasattr(self.policy, "block_size"):
+            return
+        for w in self.registry.all():
+            if w.layout is not None:
+                self.policy.block_size = w.layout.block_size
+                self._block_size_set = True
+                return
+
+    async def close(self) -> None:
+        await self.kv_release.wait()
+        await self.registry.close()

@@ -9,7 +9,7 @@ from pd.v1 import router_pb2, router_pb2_grpc
 
 from splitserve.services.router.routing import build_backend, workers_route
 from splitserve.services.router.config import RouterConfig, parse
-from splitserve.services.router.grpc_api import RouterServicer
+from splitserve.frontend.grpc_api import RouterServicer
 from splitserve.frontend.draining import DrainMiddleware
 from splitserve.frontend.http_app import build_app
 from splitserve.frontend.http_server import http_server

@@ -8,7 +8,7 @@ from starlette.routing import Route
 
 from splitserve.services.router.config import RouterConfig
 from splitserve.services.router.disaggregation import DisaggregationPolicy
-from splitserve.services.router.failover import RoutedBackend
+from splitserve.services.router.backend import RoutedBackend
 from splitserve.services.router.policies import make_policy
 from splitserve.services.router.registry import WorkerRegistry
 

@@ -1,0 +1,119 @@
+"""RouterService: the gRPC front door, beside the HTTP one (:mod:`.http_app`) and sharing its pipeline.
+
+Generate maps the ``pd.v1.GenerateRequest`` to a prompt and a :class:`.prepare.SamplingRequest` and prepares it
+with :class:`.prepare.RequestPreparer`, the same checks and tokenization as the HTTP API (a failed check is
+INVALID_ARGUMENT). It runs the request with the caller's deadline (each hop gets the time left; an expired deadline
+is DEADLINE_EXCEEDED and aborts the work on every service; a call without a deadline gets none) and streams text
+deltas. A cancelled call closes the pipeline, which aborts the request on the backend (the prefill and decode
+workers, or the colocated engine). No field of the request names a worker or a KV transfer endpoint; unknown
+fields are ignored by protobuf and never consulted. Strings that are not valid UTF-8 never reach a handler (the
+strict decoder answers INVALID_ARGUMENT). Preparation runs in worker threads (:class:`.offload.Offload`), and a
+text prompt that cannot fit the context is refused before it is tokenized.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from typing import AsyncIterator
+
+import grpc
+from pd.v1 import common_pb2, router_pb2, router_pb2_grpc
+
+from splitserve.deadline import deadline_after
+from splitserve.errors import InvalidRequest, PdError
+from splitserve.frontend.backend import GenerationBackend
+from splitserve.frontend.errors import APIError
+from splitserve.frontend.offload import Offload
+from splitserve.frontend.pipeline import generate_text
+from splitserve.frontend.prepare import PreparedRequest, RequestPreparer, SamplingRequest
+from splitserve.rpc.convert import FINISH_TO_PROTO
+from splitserve.rpc.status import abort_with
+from splitserve.telemetry.requests import observe_request
+
+DEFAULT_MAX_TOKENS = 16
+"""``max_tokens`` of a request that leaves ``sampling.max_tokens`` unset."""
+
+
+def sampling_request(msg: common_pb2.SamplingParams, stop: list[str]) -> SamplingRequest:
+    """The request's sampling fields with the proto's defaults (temperature 0 = greedy; top_p and top_k off;
+    ``max_tokens`` :data:`DEFAULT_MAX_TOKENS`)."""
+    return SamplingRequest(
+        max_tokens=msg.max_tokens if msg.HasField("max_tokens") else DEFAULT_MAX_TOKENS,
+        temperature=msg.temperature,
+        top_p=msg.top_p if msg.HasField("top_p") else 1.0,
+        top_k=msg.top_k,
+        seed=msg.seed if msg.HasField("seed") else None,
+        stop_token_ids=tuple(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+        stop=tuple(stop),
+    )
+
+
+class RouterServicer(router_pb2_grpc.RouterServiceServicer):
+    """``pd.v1.RouterService`` over a :class:`GenerationBackend` (see the module docstring).
+
+    Args:
+        backend: where tokens come from (the router's RoutedBackend or the colocated engine).
+        tokenizer: a :class:`.backend.TokenizerLike`.
+        max_model_len: the context limit in tokens.
+        model_name: the served model's name (telemetry).
+        offload: the thread pools that prepare requests (default: a new :class:`Offload`).
+    """
+
+    def __init__(
+        self, backend: GenerationBackend, tokenizer, max_model_len: int, model_name: str = "", offload: Offload | None = None
+    ) -> None:
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self.offload = offload or Offload()
+        self.preparer = RequestPreparer(tokenizer, max_model_len)
+        self.streams_open = 0
+        self.model_name = model_name  # for telemetry
+
+    def _prepare(self, request: router_pb2.GenerateRequest) -> PreparedRequest:
+        """Prompt ids and sampling params of ``request`` (runs in a worker thread). Raises InvalidRequest."""
+        which = request.WhichOneof("input")
+        if which is None:
+            raise InvalidRequest("set prompt or prompt_token_ids")
+        prompt = request.prompt if which == "prompt" else list(request.prompt_token_ids.ids)
+        try:
+            return self.preparer.prepare(prompt, sampling_request(request.sampling, list(request.stop)))
+        except APIError as exc:
+            raise InvalidRequest(exc.message) from None
+
+    async def Generate(self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[router_pb2.GenerateResponse]:
+        request_id = f"gen-{uuid.uuid4().hex}"
+        self.streams_open += 1
+        try:
+            prepared = await self.offload.run(request.ByteSize(), self._prepare, request)  # off the event loop
+            prompt_ids, params = prepared.prompt_ids, prepared.params
+            deadline = deadline_after(context.time_remaining())
+            completion_tokens = 0
+            cached = 0
+            deltas = observe_request(
+                generate_text(self.backend, self.tokenizer, request_id, prompt_ids, params, prepared.stop, deadline),
+                model=self.model_name, request_id=request_id, prompt_tokens=len(prompt_ids), params=params,
+            )
+            async with contextlib.aclosing(deltas):  # closed (aborting the request) even if this handler is dropped
+                async for delta in deltas:
+                    completion_tokens += len(delta.token_ids)
+                    cached = max(cached, delta.cached_tokens)
+                    msg = router_pb2.GenerateResponse(
+                        request_id=request_id, text=delta.text, token_ids=delta.token_ids,
+                        finish_reason=FINISH_TO_PROTO[delta.finish_reason],
+                    )
+                    if delta.finish_reason is not None:
+                        msg.usage.CopyFrom(router_pb2.Usage(
+                            prompt_tokens=len(prompt_ids), completion_tokens=completion_tokens, cached_tokens=cached))
+                    yield msg
+        except PdError as exc:
+            await abort_with(context, exc)
+        finally:
+            self.streams_open -= 1
+
+    async def GetStats(self, request: common_pb2.GetStatsRequest, context: grpc.aio.ServicerContext) -> common_pb2.GetStatsResponse:
+        stats = getattr(self.backend, "stats", None)
+        counters = dict(stats()) if callable(stats) else {}
+        counters["grpc_streams_open"] = self.streams_open
+        return common_pb2.GetStatsResponse(counters=counters)

@@ -1,0 +1,163 @@
+"""Request preparation shared by every front door: prompt -> token ids, sampling -> :class:`SamplingParams`.
+
+The HTTP app (OpenAI JSON) and the gRPC RouterService (``pd.v1.GenerateRequest``) each map their wire format to a
+prompt and a :class:`SamplingRequest`, then call :meth:`RequestPreparer.prepare`. Every check of the prompt and of
+the sampling parameters lives here, once:
+
+* the prompt is not empty; a text prompt that cannot fit the context is refused before it is tokenized
+  (:mod:`.prompt_limit`), then encoded with the model's special tokens (BOS); a chat conversation is rendered with
+  the model's chat template (:mod:`.chat`); prompt token ids must lie in the vocabulary;
+* stop token ids lie in the vocabulary; at most :data:`MAX_STOP_STRINGS` non-empty stop strings;
+* prompt + ``max_tokens`` fits ``max_model_len`` (``max_tokens`` unset: all the room the prompt leaves);
+* the values :class:`SamplingParams` accepts (temperature, top_p, top_k, seed).
+
+Tokenizing and rendering are CPU-heavy: call :meth:`RequestPreparer.prepare` off the event loop
+(:class:`.offload.Offload`). Errors are :class:`.errors.APIError` 400s naming the ``param`` (``code`` is
+``context_length_exceeded`` when the request cannot fit); the gRPC front door answers them with INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from splitserve.engine.sampling import SamplingParams
+from splitserve.frontend.chat import encode_chat
+from splitserve.frontend.errors import APIError
+from splitserve.frontend.prompt_limit import PromptLimit
+
+MAX_STOP_STRINGS = 4
+"""Most stop strings one request may carry."""
+
+
+@dataclass(frozen=True, slots=True)
+class ChatPrompt:
+    """A conversation to render with the model's chat template: dicts with at least ``role`` and ``content``."""
+
+    messages: Sequence[dict[str, Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingRequest:
+    """Sampling as the client asked for it, each front door's defaults applied (see :class:`SamplingParams`).
+
+    Attributes:
+        max_tokens: most tokens to generate; None: all the room the prompt leaves in the context.
+        stop: stop strings (the matched string is not returned).
+    """
+
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+    stop: tuple[str, ...] = field(default_factory=tuple)
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedRequest:
+    """A request ready for :func:`.pipeline.generate_text`: the prompt's token ids, the sampling parameters and the
+    stop strings."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    stop: list[str]
+
+
+def check_stop_strings(stop: Sequence[str]) -> None:
+    """Raise ValueError unless ``stop`` holds at most :data:`MAX_STOP_STRINGS` strings, none of them empty."""
+    if len(stop) > MAX_STOP_STRINGS:
+        raise ValueError(f"at most {MAX_STOP_STRINGS} stop sequences are allowed, got {len(stop)}")
+    if any(s == "" for s in stop):
+        raise ValueError("stop sequences must not be empty strings")
+
+
+class RequestPreparer:
+    """Prepares the requests of one model (see the module docstring).
+
+    Args:
+        tokenizer: a :class:`.backend.TokenizerLike`.
+        max_model_len: the context limit in tokens (prompt + completion).
+    """
+
+    def __init__(self, tokenizer: Any, max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.limit = PromptLimit(tokenizer, max_model_len)
+        self.vocab_size: int = tokenizer.hf.get_vocab_size(with_added_tokens=True)
+
+    def prepare(self, prompt: str | Sequence[int] | ChatPrompt, sampling: SamplingRequest,
+                param: str = "prompt") -> PreparedRequest:
+        """Validate and tokenize one request; ``param`` names the prompt's field in error messages.
+
+        Raises:
+            APIError: 400 for any of the checks in the module docstring.
+            ChatTemplateError: the model's chat template does not compile (a server error).
+        """
+        prompt_ids = self.prompt_ids(prompt, param)
+        return PreparedRequest(prompt_ids, self.sampling_params(len(prompt_ids), sampling, param), list(sampling.stop))
+
+    def prompt_ids(self, prompt: str | Sequence[int] | ChatPrompt, param: str = "prompt") -> list[int]:
+        """The prompt's token ids (text and chat prompts are tokenized here). Raises APIError (400)."""
+        if isinstance(prompt, ChatPrompt):
+            ids = encode_chat(self.tokenizer, prompt.messages, self.limit)
+        elif len(prompt) == 0:
+            raise APIError("The prompt must not be empty.", param=param)
+        elif isinstance(prompt, str):
+            self.limit.check(prompt, param)
+            ids = list(self.tokenizer.encode(prompt, add_special_tokens=True))
+        else:
+            self.check_token_ids(prompt, param)
+            ids = list(prompt)
+        if not ids:
+            raise APIError("The prompt must not be empty.", param=param)
+        return ids
+
+    def sampling_params(self, prompt_len: int, sampling: SamplingRequest, param: str = "prompt") -> SamplingParams:
+        """:class:`SamplingParams` for a prompt of ``prompt_len`` tokens (and a check of the stop strings).
+        Raises APIError (400)."""
+        try:
+            check_stop_strings(sampling.stop)
+        except ValueError as e:
+            raise APIError(f"Invalid value for 'stop': {e}", param="stop") from None
+        if sampling.stop_token_ids:
+            self.check_token_ids(sampling.stop_token_ids, "stop_token_ids")
+        max_tokens = self.completion_budget(prompt_len, sampling.max_tokens, param)
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                seed=sampling.seed, stop_token_ids=tuple(sampling.stop_token_ids), ignore_eos=sampling.ignore_eos,
+            )
+        except ValueError as e:
+            raise APIError(str(e)) from None
+
+    def check_token_ids(self, ids: Sequence[int], param: str) -> None:
+        """Raise a 400 when an id is outside the tokenizer's vocabulary."""
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise APIError(f"Token id {bad[0]} in '{param}' is out of range [0, {self.vocab_size}).", param=param)
+
+    def completion_budget(self, prompt_len: int, requested: int | None, param: str) -> int:
+        """The max_tokens to use: ``requested``, or all the room left when None.
+
+        Raises:
+            APIError: 400 for ``requested`` below 1, and ``context_length_exceeded`` when prompt + completion
+                does not fit.
+        """
+        if requested is not None and requested < 1:
+            raise APIError(f"max_tokens must be at least 1, got {requested}.", param="max_tokens")
+        max_model_len = self.max_model_len
+        max_tokens = requested if requested is not None else max_model_len - prompt_len
+        if max_tokens < 1 or prompt_len + max_tokens > max_model_len:
+            shown = requested if requested is not None else 1
+            raise APIError(
+                f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                f"{prompt_len + shown} tokens ({prompt_len} in the prompt, {shown} in the completion). "
+                "Please reduce the length of the prompt or completion.",
+                param=param,
+                code="context_length_exceeded",
+            )
+        return max_tokens
