@@ -259,7 +259,7 @@ def store_children(host: str, num_nodes: int, master_args: list[str] | None = No
 def store_health(cluster: Cluster) -> str:
     """One line per KV store process: health, and the master's view (mounted segments, capacity, use).
     Over TLS when the cluster's processes were given it (``PD_TLS_*``)."""
-    from pd.v1 import common_pb2, kvstore_pb2_grpc  # noqa: PLC0415
+    from pd.v1 import common_pb2, kvstore_pb2_grpc
 
     tls = tls_from_env({**os.environ, **cluster.env})
     lines = []

@@ -16,3 +16,11 @@ def colocated():
     server = Colocated()
     yield server
     server.stop()
+
+
+@pytest.fixture
+def refs(colocated):
+    """Reference completions of the colocated server, cached per prompt (tests/store_chaos.py References)."""
+    from tests.store_chaos import References
+
+    return References(colocated)

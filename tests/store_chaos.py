@@ -198,12 +198,8 @@ class References:
         return [await self(p, max_tokens) for p in prompts]
 
 
-# Fixtures shared by the chaos test modules (import them by name; each module defines ``store``).
-
-
-@pytest.fixture
-def refs(colocated):
-    return References(colocated)
+# Fixtures shared by the chaos test modules (import them by name; each module defines ``store``; ``refs`` is in
+# tests/conftest.py).
 
 
 @pytest.fixture(autouse=True)

@@ -235,7 +235,8 @@ async def test_grpc_max_tokens_unset_means_the_default_and_one_is_served(cluster
         async for r in stub.Generate(router_pb2.GenerateRequest(prompt="Once upon a time", sampling=common_pb2.SamplingParams(ignore_eos=True))):
             n += len(r.token_ids)
         assert n == 16
-        msgs = [r async for r in stub.Generate(router_pb2.GenerateRequest(prompt="Once upon a time", sampling=common_pb2.SamplingParams(max_tokens=1)))]
+        msgs = [r async for r in stub.Generate(router_pb2.GenerateRequest(prompt="Once upon a time",
+                                                                          sampling=common_pb2.SamplingParams(max_tokens=1)))]
         assert sum(len(m.token_ids) for m in msgs) == 1 and msgs[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
 
 

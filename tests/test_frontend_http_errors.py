@@ -211,5 +211,5 @@ async def test_disconnect_before_first_token_and_non_streaming_aborts_backend(to
     for stream in (True, False):
         backend = ScriptedBackend(script=story * 20, delay=0.05)
         body = {**GOOD, "max_tokens": 100, "stream": stream}
-        await call_asgi(make_app(tok, backend, 512), "/v1/completions", body, lambda s: backend.started.is_set())
+        await call_asgi(make_app(tok, backend, 512), "/v1/completions", body, lambda s, backend=backend: backend.started.is_set())
         assert len(backend.aborted) == 1 and not backend.finished, stream

@@ -13,7 +13,7 @@ import grpc
 import httpx
 import pytest
 from pd.v1 import common_pb2, router_pb2, router_pb2_grpc
-from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 
 from splitserve.frontend.http_app import build_app
 from splitserve.frontend.offload import Offload

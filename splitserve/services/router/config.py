@@ -82,7 +82,8 @@ def parse(argv: list[str] | None = None) -> RouterConfig:
     ap = argparse.ArgumentParser(prog="splitserve router", description="Run the router (OpenAI HTTP + gRPC front door).")
     ap.add_argument("--model", default=env_str("PD_MODEL", str(default_model_path())), help="model folder/file (tokenizer, chat template)")
     ap.add_argument("--served-model-name", default=env_str("PD_SERVED_MODEL_NAME"))
-    ap.add_argument("--prefill", type=_addresses, default=_addresses(env_str("PD_PREFILL_ADDRS", "127.0.0.1:50061")), help="comma-separated host:port")
+    ap.add_argument("--prefill", type=_addresses, default=_addresses(env_str("PD_PREFILL_ADDRS", "127.0.0.1:50061")),
+                    help="comma-separated host:port")
     ap.add_argument("--decode", type=_addresses, default=_addresses(env_str("PD_DECODE_ADDRS", "127.0.0.1:50071")), help="comma-separated host:port")
     ap.add_argument("--host", default=env_str("PD_HOST", "127.0.0.1"))
     ap.add_argument("--http-port", type=int, default=env_int("PD_HTTP_PORT", 8000))
