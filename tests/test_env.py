@@ -13,9 +13,6 @@ from splitserve.services.decode.config import parse as parse_decode
 from splitserve.services.prefill.config import parse as parse_prefill
 from splitserve.up_config import parse as parse_up
 
-pytestmark = pytest.mark.unit
-
-
 @pytest.mark.parametrize("value", ["1", "true", "TRUE", "yes", "Yes", "on", "ON", " on "])
 def test_true_spellings(value) -> None:
     assert env_bool("PD_X", False, {"PD_X": value}) is True

@@ -12,14 +12,8 @@ from splitserve import errors as pd
 from splitserve.frontend.http_app import build_app
 from splitserve.frontend.testing import ScriptedBackend, SimpleModelInfo, SimpleTokenizer
 
-TOKENIZER_JSON = "/work/shared/models/TinyStories-656K/tokenizer.json"
 MODEL = "tinystories"
 GOOD = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 5}
-
-
-@pytest.fixture(scope="module")
-def tok() -> SimpleTokenizer:
-    return SimpleTokenizer.from_file(TOKENIZER_JSON, bos_token="<|start_story|>", eos_token="<|end_story|>")
 
 
 @pytest.fixture

@@ -21,8 +21,9 @@ from splitserve.frontend.prompt_limit import PromptLimit
 from splitserve.frontend.testing import ScriptedBackend, SimpleModelInfo, SimpleTokenizer
 from splitserve.rpc.server import bind, channel, create_server
 from splitserve.services.router.grpc_api import RouterServicer
+from splitserve.paths import default_model_path
 
-TOKENIZER_JSON = "/work/shared/models/TinyStories-656K/tokenizer.json"
+TOKENIZER_JSON = str(default_model_path() / "tokenizer.json")
 MODEL = "tinystories"
 GOOD = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 3}
 WAIT_S = 30  # upper bound for a wait that must not hang the suite; never reached when the code is right

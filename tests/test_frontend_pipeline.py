@@ -11,13 +11,7 @@ from splitserve.errors import WorkerUnavailable
 from splitserve.frontend.pipeline import TextDelta, generate_text
 from splitserve.frontend.testing import ScriptedBackend, SimpleTokenizer
 
-TOKENIZER_JSON = "/work/shared/models/TinyStories-656K/tokenizer.json"
 STORY = "Once upon a time, there was a little girl named Lily. She liked to play outside."
-
-
-@pytest.fixture(scope="module")
-def tok() -> SimpleTokenizer:
-    return SimpleTokenizer.from_file(TOKENIZER_JSON, bos_token="<|start_story|>", eos_token="<|end_story|>")
 
 
 async def collect(agen) -> list[TextDelta]:

@@ -7,17 +7,10 @@ import pytest
 from pd.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 from splitserve.engine.async_engine import AsyncEngine, EngineConfig
-from splitserve.model import load_model
-from splitserve.paths import default_model_path
 from splitserve.rpc.server import bind, create_server
 from splitserve.services.decode.server import DecodeServicer
 from splitserve.services.prefill.server import PrefillServicer
 from splitserve.transfer import create_receiver, create_sender
-
-
-@pytest.fixture(scope="module")
-def lm():
-    return load_model(default_model_path())
 
 
 @pytest.fixture
