@@ -96,6 +96,15 @@ async def wait_until(what: str, predicate: Callable[[], object], timeout_s: floa
         await asyncio.sleep(poll_s)
 
 
+def engine_stats(**engines) -> Callable[[], Awaitable[Reading]]:
+    """A ``read`` for :func:`wait_idle` over in-process engines (``AsyncEngine.stats()``), by keyword name."""
+
+    async def read() -> Reading:
+        return {name: await engine.stats() for name, engine in engines.items()}, None
+
+    return read
+
+
 def wait_until_sync(what: str, predicate: Callable[[], object], timeout_s: float, poll_s: float = 0.05) -> float:
     """:func:`wait_until` for a blocking ``predicate``."""
     t0 = time.monotonic()

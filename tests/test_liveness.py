@@ -31,7 +31,7 @@ from splitserve.client import RouterClient
 from splitserve.launcher import Child
 from splitserve.rpc.server import channel
 from tests.cluster import start_cluster
-from tests.idle import wait_idle
+from tests.idle import wait_idle, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -300,9 +300,12 @@ async def test_sigterm_drains_the_router(live, references):
             await asyncio.sleep(0.01)
     await decoding_on(live, live.d0, 1)
     live.router_child.proc.send_signal(signal.SIGTERM)
-    await asyncio.sleep(0.3)
     async with httpx.AsyncClient(base_url=live.base_url, timeout=10) as http:
-        assert (await http.get("/health")).status_code == 503
+
+        async def draining() -> bool:
+            return (await http.get("/health")).status_code == 503
+
+        await wait_until("the router reports draining on /health", draining, timeout_s=10.0)
         r = await http.post("/v1/completions", json={"prompt": "Once", "max_tokens": 4})
         assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
     with pytest.raises(grpc.aio.AioRpcError) as err:

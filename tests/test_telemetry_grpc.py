@@ -21,7 +21,7 @@ from splitserve.telemetry.interceptors import client_interceptors, server_interc
 from splitserve.telemetry.tracing import tracer
 from splitserve.transfer import create_receiver, create_sender
 from tests.telemetry_helpers import Spans
-from tests.idle import wait_idle, wait_until
+from tests.idle import engine_stats, wait_idle, wait_until
 
 CANCELLED = grpc.StatusCode.CANCELLED.value[0]
 
@@ -193,9 +193,4 @@ async def test_decode_stream_cancelled_by_the_router(spans, workers):
     server = next(s for s in spans.all() if s.name == "/pd.v1.DecodeService/Decode" and s.kind is SpanKind.SERVER)
     assert spans.is_error(gen) and gen.attributes["splitserve.outcome"] == "cancelled"
     assert server.attributes["rpc.grpc.status_code"] == CANCELLED and server.end_time is not None
-
-
-    async def read_stats():
-        return {"decode": await d_engine.stats()}, None
-
-    await wait_idle(read_stats, timeout_s=2.0)  # every KV block free: the wrappers leak nothing
+    await wait_idle(engine_stats(decode=d_engine), timeout_s=2.0)  # every KV block free: the wrappers leak nothing
