@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install up test test-fast bench-transfer bench-kvstore bench-tracing protos check-protos clean image
+.PHONY: install up lint test test-fast bench-transfer bench-kvstore bench-tracing protos check-protos clean image
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,8 +19,13 @@ install: $(STAMP)
 up: install
 	$(VENV)/bin/splitserve up
 
-test: install
-	$(PY) -m pytest -q
+# ruff (pyproject.toml [tool.ruff]) and buf's STANDARD lint on the pd.v1 protos (protos/buf.yaml)
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/buf lint protos
+
+test: lint
+	$(PY) -m pytest -q --durations=25
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow"

@@ -41,9 +41,9 @@ import time
 
 # UCX reads its environment when the context is created: set it before anything imports ucxx.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from splitserve.transfer.ucx_runtime import apply_ucx_env_defaults  # noqa: E402
+from splitserve.transfer.ucx_runtime import apply_ucx_env_defaults
 
-import torch  # noqa: E402
+import torch
 
 MIB = 1 << 20
 # 1 MiB per block (16 layers x K,V x 16 tokens x 8 KV heads x 128 dims x bf16).

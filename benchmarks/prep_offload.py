@@ -38,7 +38,7 @@ from splitserve.paths import default_model_path
 
 
 class _Inline(Offload):
-    async def run(self, size, fn, *args):  # noqa: ANN001
+    async def run(self, size, fn, *args):
         return fn(*args)
 
 

@@ -19,7 +19,6 @@ import asyncio
 import os
 import random
 import signal
-import statistics
 import subprocess
 import sys
 import time

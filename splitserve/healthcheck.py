@@ -21,12 +21,12 @@ def healthy(target: str, timeout_s: float = TIMEOUT_S, tls=None) -> bool:
     ``tls`` (a ``splitserve.rpc.tls.TlsConfig``): for gRPC targets, TLS when enabled (default: plaintext)."""
     if target.startswith("http"):
         try:
-            with urllib.request.urlopen(target, timeout=timeout_s) as resp:  # noqa: S310 (http only, by the caller)
+            with urllib.request.urlopen(target, timeout=timeout_s) as resp:  # http only, by the caller
                 return resp.status == 200
         except (urllib.error.URLError, OSError):
             return False
-    import grpc  # noqa: PLC0415
-    from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: PLC0415
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     address = target.removeprefix("grpc:")
     try:
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     tls = None
     if argv[0].startswith("grpc:"):
-        from splitserve.rpc.tls import tls_from_env  # noqa: PLC0415 (grpc + standard library only)
+        from splitserve.rpc.tls import tls_from_env  # grpc + standard library only
 
         try:
             tls = tls_from_env()

@@ -19,15 +19,20 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import grpc
 import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from splitserve.env import env_float
 from splitserve.rpc.server import sync_channel
 from splitserve.rpc.shutdown import DEFAULT_GRACE_S
 from splitserve.rpc.tls import TlsConfig, tls_from_env
 from splitserve.transfer import ucx_env_defaults
+
+if TYPE_CHECKING:
+    from splitserve.up_config import UpConfig
 
 _PR_SET_PDEATHSIG = 1
 
@@ -115,7 +120,7 @@ class Cluster:
         process still running ``grace_s`` after its SIGTERM (default: the children's shutdown grace,
         ``PD_SHUTDOWN_GRACE_S``, plus 10 s) is killed."""
         if grace_s is None:
-            grace_s = float({**os.environ, **self.env}.get("PD_SHUTDOWN_GRACE_S") or DEFAULT_GRACE_S) + 10.0
+            grace_s = env_float("PD_SHUTDOWN_GRACE_S", DEFAULT_GRACE_S, {**os.environ, **self.env}) + 10.0
         front, workers, rest = [], [], []
         for child in self.children:
             (front if child.name == "router" else workers if child.name.startswith(("prefill", "decode")) else rest).append(child)
@@ -218,6 +223,21 @@ def build_cluster(
     return Cluster(children, env or {}), http_port, grpc_port
 
 
+def up_cluster(config: UpConfig) -> tuple[Cluster, int, int]:
+    """The processes of ``splitserve up`` for ``config`` (nothing started). Returns (cluster, http_port, grpc_port),
+    ports 0 replaced by free ones.
+
+    Raises:
+        ValueError: as :func:`build_cluster`.
+    """
+    return build_cluster(
+        model=config.model, num_prefill=config.num_prefill, num_decode=config.num_decode, host=config.host,
+        http_port=config.http_port, grpc_port=config.grpc_port, worker_args=config.worker_args(),
+        env=config.child_env(), store_nodes=config.store_nodes, master_args=["--replicas", str(config.store_replicas)],
+        node_args=["--segment-mb", str(config.store_mb)], router_args=["--policy", config.policy, "--disagg", config.disagg],
+    )
+
+
 def store_children(host: str, num_nodes: int, master_args: list[str] | None = None,
                    node_args: list[str] | None = None) -> tuple[list[Child], str]:
     """A KV store master ("kvstore-master") and ``num_nodes`` storage nodes ("kvstore-node-<i>", node id
@@ -239,7 +259,7 @@ def store_children(host: str, num_nodes: int, master_args: list[str] | None = No
 def store_health(cluster: Cluster) -> str:
     """One line per KV store process: health, and the master's view (mounted segments, capacity, use).
     Over TLS when the cluster's processes were given it (``PD_TLS_*``)."""
-    from pd.v1 import common_pb2, kvstore_pb2_grpc  # noqa: PLC0415
+    from pd.v1 import common_pb2, kvstore_pb2_grpc
 
     tls = tls_from_env({**os.environ, **cluster.env})
     lines = []

@@ -4,7 +4,6 @@ HTTP app."""
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass, field
 
 import grpc
@@ -23,6 +22,7 @@ from splitserve.services.prefill.server import PrefillServicer
 from splitserve.services.router.backend import RoutedBackend
 from splitserve.services.router.registry import WorkerRegistry
 from splitserve.transfer import create_receiver, create_sender
+from tests.idle import wait_idle
 
 
 def static_backend(prefill: list[str], decode: list[str], tls: TlsConfig | None = None, **kw) -> RoutedBackend:
@@ -116,24 +116,15 @@ class InprocCluster:
             out.append(dict((await w.servicer.GetStats(common_pb2.GetStatsRequest(), None)).counters))
         return out
 
+    async def read_stats(self) -> tuple[dict[str, dict], dict]:
+        """Counters of every worker (``prefill-<i>``, ``decode-<i>``) and of the router (tests/idle.py)."""
+        stats = await self.worker_stats()
+        names = [f"prefill-{i}" for i in range(len(self.prefill))] + [f"decode-{i}" for i in range(len(self.decode))]
+        return dict(zip(names, stats)), {**self.backend.stats(), "grpc_streams_open": self.router_servicer.streams_open}
+
     async def wait_idle(self, timeout_s: float = 2.0) -> float:
-        """Seconds until every worker is back to baseline (all KV blocks free, nothing running, no stream,
-        no held KV) and the router has no open stream; AssertionError with the counters otherwise."""
-        loop = asyncio.get_running_loop()
-        t0 = loop.time()
-        while True:
-            stats = await self.worker_stats()
-            router = self.backend.stats()
-            idle = all(
-                s["kv_blocks_free"] == s["kv_blocks_total"] and s["requests_running"] == 0 and s["requests_waiting"] == 0
-                and s.get("streams_open", 0) == 0 and s.get("prefills_in_flight", 0) == 0 and s.get("kv_transfers_held", 0) == 0
-                for s in stats
-            ) and router["streams_open"] == 0 and router["background_tasks"] == 0 and self.router_servicer.streams_open == 0
-            if idle:
-                return loop.time() - t0
-            if loop.time() - t0 > timeout_s:
-                raise AssertionError(f"not idle after {timeout_s} s: workers {stats}, router {router}")
-            await asyncio.sleep(0.02)
+        """Seconds until every worker and the router are idle (tests/idle.py); AssertionError naming what is not."""
+        return await wait_idle(self.read_stats, timeout_s, poll_s=0.02)
 
     async def stop(self) -> None:
         await self.router_server.stop(0)

@@ -7,7 +7,6 @@ import asyncio
 import os
 import random
 import signal
-import time
 
 import grpc
 import pytest
@@ -18,6 +17,8 @@ from splitserve.launcher import Child
 from splitserve.model import load_model
 from splitserve.paths import default_model_path
 from tests.cluster import grpc_address, start_cluster
+from tests.idle import wait_idle_sync, wait_until_sync
+from tests.idle import wait_until as poll_until
 from tests.test_e2e_kvstore import STORIES
 
 B = 16  # block_size of the embedded model
@@ -26,8 +27,6 @@ HEARTBEAT_TIMEOUT_S = 2.0
 MASTER_ARGS = ["--lease-s", "10", "--put-timeout-s", "5", "--heartbeat-interval-s", "0.2",
                "--heartbeat-timeout-s", str(HEARTBEAT_TIMEOUT_S)]
 NODE_ARGS = ["--segment-mb", "16", "--io-timeout-s", "2"]
-WORKER_STATS = ("kv_blocks_free", "kv_blocks_total", "requests_running", "requests_waiting", "streams_open",
-                "prefills_in_flight", "kv_transfers_held", "kvstore_writes_in_flight")
 
 
 def token_pool(n: int = 1024, seed: int = 6) -> list[int]:
@@ -81,35 +80,18 @@ class StoreCluster:
         return sum(self.stats(w.name).get(key, 0) for w in self.workers() if w.name.startswith(prefix))
 
     def wait_for(self, what: str, predicate, timeout_s: float) -> float:
-        t0 = time.monotonic()
-        while not predicate():
-            if time.monotonic() - t0 > timeout_s:
-                raise AssertionError(f"{what}: not within {timeout_s} s")
-            time.sleep(0.05)
-        return time.monotonic() - t0
+        return wait_until_sync(what, predicate, timeout_s)
 
     def wait_writes(self, timeout_s: float = 10.0) -> None:
         self.wait_for("store writes finished", lambda: self.total("prefill", "kvstore_writes_in_flight") == 0, timeout_s)
 
-    def idle_report(self) -> tuple[bool, dict]:
-        report, idle = {}, True
-        for w in self.workers():
-            s = self.stats(w.name)
-            report[w.name] = {k: s.get(k) for k in WORKER_STATS}
-            idle &= (s["kv_blocks_free"] == s["kv_blocks_total"] and s["requests_running"] == 0
-                     and s["requests_waiting"] == 0 and all(s.get(k, 0) == 0 for k in WORKER_STATS[4:]))
-        return idle, report
+    def read_stats(self) -> tuple[dict[str, dict], None]:
+        """GetStats counters of every live worker by name (tests/idle.py); the router is not checked here."""
+        return {w.name: self.stats(w.name) for w in self.workers()}, None
 
     def wait_idle(self, timeout_s: float) -> None:
-        """Every worker's KV pool back at its baseline, nothing running, held or being written."""
-        t0 = time.monotonic()
-        while True:
-            idle, report = self.idle_report()
-            if idle:
-                return
-            if time.monotonic() - t0 > timeout_s:
-                raise AssertionError(f"not back to baseline after {timeout_s} s: {report}")
-            time.sleep(0.05)
+        """Every worker's KV pool back at its baseline, nothing running, held or being written (tests/idle.py)."""
+        wait_idle_sync(self.read_stats, timeout_s)
 
     async def router_stats(self) -> dict[str, float]:
         async with RouterClient(self.router) as client:
@@ -198,12 +180,8 @@ class References:
         return [await self(p, max_tokens) for p in prompts]
 
 
-# Fixtures shared by the chaos test modules (import them by name; each module defines ``store``).
-
-
-@pytest.fixture
-def refs(colocated):
-    return References(colocated)
+# Fixtures shared by the chaos test modules (import them by name; each module defines ``store``; ``refs`` is in
+# tests/conftest.py).
 
 
 @pytest.fixture(autouse=True)
@@ -219,8 +197,4 @@ def no_leaks(store):
 
 async def wait_until(what: str, predicate, timeout_s: float) -> None:
     """Poll a blocking ``predicate`` (gRPC stats) off the event loop until it holds."""
-    t0 = time.monotonic()
-    while not await asyncio.to_thread(predicate):
-        if time.monotonic() - t0 > timeout_s:
-            raise AssertionError(f"{what}: not within {timeout_s} s")
-        await asyncio.sleep(0.05)
+    await poll_until(what, lambda: asyncio.to_thread(predicate), timeout_s)

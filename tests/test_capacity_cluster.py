@@ -23,6 +23,7 @@ from splitserve.launcher import Child, build_cluster, free_port
 from splitserve.model import load_model
 from splitserve.paths import default_model_path
 from tests.cluster import TEST_ENV
+from tests.idle import wait_idle
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -66,23 +67,14 @@ class Capacity:
         async with grpc.aio.insecure_channel(self.address(child)) as ch:
             return dict((await stub_cls(ch).GetStats(common_pb2.GetStatsRequest(), timeout=10)).counters)
 
+    async def read_stats(self) -> tuple[dict[str, dict], None]:
+        """GetStats counters of every worker by name (tests/idle.py); the router is not checked here."""
+        return {w.name: await self.stats(w) for w in (self.p0, self.d0, self.lease)}, None
+
     async def wait_idle(self, timeout_s: float = 10.0) -> dict[str, dict]:
-        """Every pool back to its baseline: all blocks free, nothing running, waiting, held or being written."""
-        t0 = time.monotonic()
-        while True:
-            report = {}
-            for w in (self.p0, self.d0, self.lease):
-                s = await self.stats(w)
-                report[w.name] = s
-                s["_idle"] = (s["kv_blocks_free"] == s["kv_blocks_total"] and s["requests_running"] == 0
-                              and s["requests_waiting"] == 0 and s["kv_allocations_waiting"] == 0
-                              and s.get("kv_transfers_held", 0) == 0 and s.get("streams_open", 0) == 0
-                              and s.get("kvstore_writes_in_flight", 0) == 0)
-            if all(s["_idle"] for s in report.values()):
-                return report
-            if time.monotonic() - t0 > timeout_s:
-                raise AssertionError(f"not back to baseline after {timeout_s} s: {report}")
-            await asyncio.sleep(0.05)
+        """Every pool back to its baseline (tests/idle.py); returns each worker's counters then."""
+        await wait_idle(self.read_stats, timeout_s)
+        return (await self.read_stats())[0]
 
 
 @pytest.fixture(scope="module")

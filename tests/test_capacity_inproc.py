@@ -9,10 +9,7 @@ from __future__ import annotations
 
 import asyncio
 
-import pytest
 
-from splitserve.model import load_model
-from splitserve.paths import default_model_path
 from tests.inproc_cluster import InprocCluster
 
 BODY = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
@@ -24,11 +21,6 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
-
-
-@pytest.fixture(scope="module")
-def lm():
-    return load_model(default_model_path())
 
 
 async def stats_of(worker) -> dict:

@@ -26,6 +26,7 @@ from splitserve.rpc.server import channel
 from splitserve.rpc.tls import TlsConfig
 from tests.certs import make_pki, tls_env
 from tests.cluster import TEST_ENV
+from tests.idle import wait_idle
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -101,31 +102,15 @@ class Chaos:
     def workers(self) -> list[Child]:
         return [w for w in (self.p0, self.p1, self.d0, self.d1, self.corrupt) if w.proc.poll() is None]
 
-    async def idle_report(self) -> tuple[bool, dict]:
-        report = {}
-        idle = True
-        for w in self.workers():
-            s = await self.stats(w)
-            report[w.name] = {k: s.get(k) for k in ("kv_blocks_free", "kv_blocks_total", "requests_running", "requests_waiting",
-                                                      "streams_open", "prefills_in_flight", "kv_transfers_held")}
-            idle &= (s["kv_blocks_free"] == s["kv_blocks_total"] and s["requests_running"] == 0 and s["requests_waiting"] == 0
-                     and s.get("streams_open", 0) == 0 and s.get("prefills_in_flight", 0) == 0 and s.get("kv_transfers_held", 0) == 0)
+    async def read_stats(self) -> tuple[dict[str, dict], dict]:
+        """GetStats counters of every live worker (by name) and of the router (tests/idle.py)."""
+        workers = {w.name: await self.stats(w) for w in self.workers()}
         resp = await router_pb2_grpc.RouterServiceStub(self._channel(self.router)).GetStats(
             common_pb2.GetStatsRequest(), timeout=10, metadata=(("authorization", f"Bearer {API_KEY}"),))
-        r = dict(resp.counters)
-        report["router"] = {k: r.get(k, 0) for k in ("streams_open", "grpc_streams_open", "background_tasks")}
-        idle &= all(v == 0 for v in report["router"].values())
-        return idle, report
+        return workers, dict(resp.counters)
 
     async def wait_idle(self, timeout_s: float) -> float:
-        t0 = time.monotonic()
-        while True:
-            idle, report = await self.idle_report()
-            if idle:
-                return time.monotonic() - t0
-            if time.monotonic() - t0 > timeout_s:
-                raise AssertionError(f"not back to baseline after {timeout_s} s: {report}")
-            await asyncio.sleep(0.05)
+        return await wait_idle(self.read_stats, timeout_s)
 
 
 @pytest.fixture(scope="module")

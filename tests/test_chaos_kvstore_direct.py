@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from tests.store_chaos import (B, HEARTBEAT_TIMEOUT_S, IO_TIMEOUT_S, StoreCluster, decoding_stream, no_leaks, refs,  # noqa: F401
+from tests.store_chaos import (B, HEARTBEAT_TIMEOUT_S, IO_TIMEOUT_S, StoreCluster, decoding_stream, no_leaks,  # noqa: F401
                                token_pool, tokens, wait_until)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

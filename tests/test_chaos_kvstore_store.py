@@ -16,7 +16,7 @@ import grpc
 import pytest
 from pd.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
-from tests.store_chaos import (B, HEARTBEAT_TIMEOUT_S, IO_TIMEOUT_S, StoreCluster, decoding_stream, no_leaks, refs,  # noqa: F401
+from tests.store_chaos import (B, HEARTBEAT_TIMEOUT_S, IO_TIMEOUT_S, StoreCluster, decoding_stream, no_leaks,  # noqa: F401
                                token_pool, tokens, wait_until)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -102,7 +102,7 @@ def test_itemsize_table_agrees_with_torch():
     with pytest.raises(ValueError, match="unknown dtype 'float8'"):
         itemsize("float8")
     with pytest.raises(ValueError, match="unknown dtype"):
-        KVLayout("m", 2, 4, 16, 8, "float8").block_nbytes
+        _ = KVLayout("m", 2, 4, 16, 8, "float8").block_nbytes
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -213,7 +213,7 @@ def test_healthcheck_module_sees_serving_grpc_and_http():
     server.start()
 
     class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802
+        def do_GET(self):
             self.send_response(200 if self.path == "/health" else 503)
             self.end_headers()
 

@@ -113,7 +113,7 @@ def processes(network, tmp_path_factory):
     try:
         for role, args in argv.items():
             env = {**base, "UCX_NET_DEVICES": veth(role)}  # UCX may only use this namespace's veth
-            log = open(logs / f"{role}.log", "w")  # noqa: SIM115
+            log = open(logs / f"{role}.log", "w")
             procs[role] = in_ns(netns(role), args, env, stdout=log, stderr=subprocess.STDOUT)
         targets = [f"grpc:{p}:{PREFILL_PORT}", f"grpc:{d}:{DECODE_PORT}", f"http://{r}:{HTTP_PORT}/health"]
         deadline = time.monotonic() + 120

@@ -6,7 +6,7 @@ import json
 import grpc
 import httpx
 import pytest
-from pd.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, router_pb2_grpc
+from pd.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 from splitserve.client import RouterClient
 from splitserve.model import load_model

@@ -236,7 +236,7 @@ def test_waiting_requests_give_up_prefix_blocks_rather_than_hold_each_other_fore
     a_cached, b_cached = e.core.allocate(3), e.core.allocate(3)
     e.turn()
     # both hold 3 prefix blocks and need 2 more: neither could start if the other kept its blocks
-    a = e.add("a", 20, block_table=a_cached.result(timeout=0), computed=12)
+    e.add("a", 20, block_table=a_cached.result(timeout=0), computed=12)
     b = e.add("b", 20, block_table=b_cached.result(timeout=0), computed=12)
     e.turn()
     assert e.first("a").cached_tokens == 12 and len(e.first("a").block_ids) == 5

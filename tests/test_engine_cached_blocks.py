@@ -8,16 +8,9 @@ import pytest
 from splitserve.engine.async_engine import AsyncEngine, EngineConfig
 from splitserve.engine.sampling import SamplingParams
 from splitserve.errors import InvalidRequest
-from splitserve.model import load_model
-from splitserve.paths import default_model_path
 
 B = 16
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def lm():
-    return load_model(default_model_path())
 
 
 @pytest.fixture

@@ -11,17 +11,10 @@ import pytest
 from splitserve.engine.async_engine import AsyncEngine, EngineConfig
 from splitserve.engine.sampling import SamplingParams
 from splitserve.errors import InvalidRequest
-from splitserve.model import load_model
-from splitserve.paths import default_model_path
 
 PROMPTS = ["Once upon a time", "The cat sat on the mat and", "Lily and Ben went to the park.", "One day, a big dog",
            "Tom had a red ball", "The sun was hot", "Mom said no", "A little bird sang a song"]
 PARAMS = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def lm():
-    return load_model(default_model_path())
 
 
 async def started(lm, **kw) -> AsyncEngine:

@@ -8,7 +8,6 @@ from splitserve.frontend.chat import ChatTemplateError, encode_chat, render_chat
 from splitserve.frontend.errors import APIError
 from splitserve.frontend.testing import SimpleTokenizer
 
-TOKENIZER_JSON = "/work/shared/models/TinyStories-656K/tokenizer.json"
 
 # The Qwen2.5 chat template (tool-call branches included), as shipped in tokenizer_config.json.
 QWEN_TEMPLATE = """{%- if tools %}
@@ -75,11 +74,6 @@ MESSAGES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def tiny() -> SimpleTokenizer:
-    return SimpleTokenizer.from_file(TOKENIZER_JSON, bos_token="<|start_story|>", eos_token="<|end_story|>")
-
-
 def test_qwen_template_renders_exactly() -> None:
     text = render_chat(MESSAGES, QWEN_TEMPLATE, None, "<|im_end|>")
     assert text == (
@@ -97,34 +91,34 @@ def test_qwen_template_default_system_prompt() -> None:
     assert text.endswith("<|im_start|>user\n日本語?<|im_end|>\n<|im_start|>assistant\n")
 
 
-def test_matches_transformers_apply_chat_template(tiny: SimpleTokenizer) -> None:
+def test_matches_transformers_apply_chat_template(tok: SimpleTokenizer) -> None:
     transformers = pytest.importorskip("transformers")
     template = "{{ bos_token }}{% for m in messages %}{{ m['role'] }}={{ m['content'] | tojson }}\n{% endfor %}"
-    ref = transformers.PreTrainedTokenizerFast(tokenizer_object=tiny.hf, bos_token=tiny.bos_token, eos_token=tiny.eos_token)
+    ref = transformers.PreTrainedTokenizerFast(tokenizer_object=tok.hf, bos_token=tok.bos_token, eos_token=tok.eos_token)
     for tmpl in (QWEN_TEMPLATE, template):
         ref.chat_template = tmpl
         msgs = [*MESSAGES, {"role": "user", "content": "café ☕ \"quoted\""}]
         want = ref.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-        assert render_chat(msgs, tmpl, tiny.bos_token, tiny.eos_token) == want
+        assert render_chat(msgs, tmpl, tok.bos_token, tok.eos_token) == want
 
 
-def test_fallback_template_when_model_has_none(tiny: SimpleTokenizer) -> None:
+def test_fallback_template_when_model_has_none(tok: SimpleTokenizer) -> None:
     text = render_chat(MESSAGES, None)
     assert text == "system: Be brief.\nuser: Hi there\nassistant: Hello!\nuser: Tell me a story about Lily.\nassistant:"
-    ids = encode_chat(tiny, MESSAGES)
-    assert ids == tiny.encode(text) and ids[0] == 1 and ids[1] != 1
+    ids = encode_chat(tok, MESSAGES)
+    assert ids == tok.encode(text) and ids[0] == 1 and ids[1] != 1
 
 
-def test_bos_not_added_twice(tiny: SimpleTokenizer) -> None:
+def test_bos_not_added_twice(tok: SimpleTokenizer) -> None:
     tiny_with_bos_template = SimpleTokenizer(
-        tiny.hf,
-        bos_token=tiny.bos_token,
-        eos_token=tiny.eos_token,
+        tok.hf,
+        bos_token=tok.bos_token,
+        eos_token=tok.eos_token,
         chat_template="{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}",
     )
     ids = encode_chat(tiny_with_bos_template, [{"role": "user", "content": "Once upon a time"}])
     assert ids.count(1) == 1 and ids[0] == 1
-    assert ids == tiny.hf.encode("<|start_story|>Once upon a time", add_special_tokens=False).ids
+    assert ids == tok.hf.encode("<|start_story|>Once upon a time", add_special_tokens=False).ids
 
 
 def test_raise_exception_becomes_400() -> None:

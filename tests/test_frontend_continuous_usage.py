@@ -5,7 +5,7 @@ Load generators such as guidellm send it; it must be honoured, not rejected or i
 
 from __future__ import annotations
 
-from tests.test_frontend_http import MODEL, make_client, parse_sse, story, tok  # noqa: F401  (fixtures)
+from tests.test_frontend_http import MODEL, make_client, parse_sse, story  # noqa: F401  (fixture)
 from splitserve.frontend.testing import ScriptedBackend
 
 

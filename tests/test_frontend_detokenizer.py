@@ -8,16 +8,10 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from splitserve.frontend.detokenizer import IncrementalDetokenizer, OffsetDecoder
 from splitserve.frontend.testing import SimpleTokenizer
 
-TOKENIZER_JSON = "/work/shared/models/TinyStories-656K/tokenizer.json"
 STORY = (
     "Once upon a time, there was a little girl named Lily. She liked to play outside with her dog, Max. "
     "One day, they found a big red ball in the park!"
 )
-
-
-@pytest.fixture(scope="module")
-def tiny() -> SimpleTokenizer:
-    return SimpleTokenizer.from_file(TOKENIZER_JSON, bos_token="<|start_story|>", eos_token="<|end_story|>")
 
 
 @pytest.fixture(scope="module")
@@ -37,41 +31,41 @@ def run(detok: IncrementalDetokenizer, ids: list[int]) -> list[str]:
     return [detok.step(t) for t in ids]
 
 
-def test_encode_prepends_bos(tiny: SimpleTokenizer) -> None:
-    assert tiny.encode("Once upon")[0] == 1
-    assert tiny.encode("Once upon", add_special_tokens=False)[0] != 1
+def test_encode_prepends_bos(tok: SimpleTokenizer) -> None:
+    assert tok.encode("Once upon")[0] == 1
+    assert tok.encode("Once upon", add_special_tokens=False)[0] != 1
 
 
-def test_deltas_equal_decode_of_generated_ids_first_token_included(tiny: SimpleTokenizer) -> None:
+def test_deltas_equal_decode_of_generated_ids_first_token_included(tok: SimpleTokenizer) -> None:
     # Prompt is only BOS: the generated text must equal a plain decode of the generated ids,
     # including the first token (whose SentencePiece leading space is stripped by decode).
-    gen = tiny.encode(STORY, add_special_tokens=False)
-    deltas = run(IncrementalDetokenizer(tiny, [1]), gen)
-    assert "".join(deltas) == tiny.decode(gen) == STORY
+    gen = tok.encode(STORY, add_special_tokens=False)
+    deltas = run(IncrementalDetokenizer(tok, [1]), gen)
+    assert "".join(deltas) == tok.decode(gen) == STORY
     assert deltas[0] == "" or not deltas[0].startswith(" ")
 
 
-def test_deltas_after_prompt_keep_leading_space_and_never_repeat_prompt(tiny: SimpleTokenizer) -> None:
-    full = tiny.encode(STORY)
+def test_deltas_after_prompt_keep_leading_space_and_never_repeat_prompt(tok: SimpleTokenizer) -> None:
+    full = tok.encode(STORY)
     for cut in (3, 7, 12, 20):
         prompt, gen = full[:cut], full[cut:]
-        text = "".join(run(IncrementalDetokenizer(tiny, prompt), gen))
-        expected = tiny.decode(full)[len(tiny.decode(prompt)) :]
+        text = "".join(run(IncrementalDetokenizer(tok, prompt), gen))
+        expected = tok.decode(full)[len(tok.decode(prompt)) :]
         assert text == expected, cut
-        assert tiny.decode(prompt) + text == STORY
+        assert tok.decode(prompt) + text == STORY
 
 
-def test_first_token_after_prompt_gets_its_space(tiny: SimpleTokenizer) -> None:
-    prompt = tiny.encode("Once upon a time")
-    gen = tiny.encode(" there was", add_special_tokens=False)
-    out = run(IncrementalDetokenizer(tiny, prompt), gen)
+def test_first_token_after_prompt_gets_its_space(tok: SimpleTokenizer) -> None:
+    prompt = tok.encode("Once upon a time")
+    gen = tok.encode(" there was", add_special_tokens=False)
+    out = run(IncrementalDetokenizer(tok, prompt), gen)
     assert "".join(out).startswith(" ")
-    assert tiny.decode(prompt) + "".join(out) == tiny.decode(prompt + gen)
+    assert tok.decode(prompt) + "".join(out) == tok.decode(prompt + gen)
 
 
-def test_special_tokens_are_not_rendered(tiny: SimpleTokenizer) -> None:
-    gen = tiny.encode("Lily ran.", add_special_tokens=False)
-    out = run(IncrementalDetokenizer(tiny, [1]), [1, *gen, 2])
+def test_special_tokens_are_not_rendered(tok: SimpleTokenizer) -> None:
+    gen = tok.encode("Lily ran.", add_special_tokens=False)
+    out = run(IncrementalDetokenizer(tok, [1]), [1, *gen, 2])
     assert "".join(out) == "Lily ran."
     assert out[0] == "" and out[-1] == ""
 
@@ -92,11 +86,11 @@ def test_incomplete_character_at_the_end_is_not_emitted(bytes_tok: SimpleTokeniz
     assert "".join(out) == "ok "
 
 
-def test_offset_decoder_matches(tiny: SimpleTokenizer, bytes_tok: SimpleTokenizer) -> None:
-    full = tiny.encode(STORY, add_special_tokens=False)
-    dec = OffsetDecoder(tiny.hf, full[:5])
+def test_offset_decoder_matches(tok: SimpleTokenizer, bytes_tok: SimpleTokenizer) -> None:
+    full = tok.encode(STORY, add_special_tokens=False)
+    dec = OffsetDecoder(tok.hf, full[:5])
     text = "".join(d or "" for d in (dec.step(t) for t in full[5:]))
-    assert text == tiny.decode(full)[len(tiny.decode(full[:5])) :]
+    assert text == tok.decode(full)[len(tok.decode(full[:5])) :]
     ids = bytes_tok.encode("naïve 日本")
     dec = OffsetDecoder(bytes_tok.hf, [])
     steps = [dec.step(t) for t in ids]

@@ -12,14 +12,8 @@ from splitserve import errors as pd
 from splitserve.frontend.http_app import build_app
 from splitserve.frontend.testing import ScriptedBackend, SimpleModelInfo, SimpleTokenizer
 
-TOKENIZER_JSON = "/work/shared/models/TinyStories-656K/tokenizer.json"
 MODEL = "tinystories"
 GOOD = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 5}
-
-
-@pytest.fixture(scope="module")
-def tok() -> SimpleTokenizer:
-    return SimpleTokenizer.from_file(TOKENIZER_JSON, bos_token="<|start_story|>", eos_token="<|end_story|>")
 
 
 @pytest.fixture
@@ -211,5 +205,5 @@ async def test_disconnect_before_first_token_and_non_streaming_aborts_backend(to
     for stream in (True, False):
         backend = ScriptedBackend(script=story * 20, delay=0.05)
         body = {**GOOD, "max_tokens": 100, "stream": stream}
-        await call_asgi(make_app(tok, backend, 512), "/v1/completions", body, lambda s: backend.started.is_set())
+        await call_asgi(make_app(tok, backend, 512), "/v1/completions", body, lambda s, backend=backend: backend.started.is_set())
         assert len(backend.aborted) == 1 and not backend.finished, stream

@@ -135,7 +135,7 @@ def test_settings_come_from_the_environment_and_bad_values_name_the_variable(mon
     limits = HttpLimits.from_env()
     assert limits.header_timeout_s == 2.5 and limits.max_connections == 77 and limits.body_timeout_s == 30.0
     monkeypatch.setenv("PD_HTTP_BODY_TIMEOUT_S", "soon")
-    with pytest.raises(ValueError, match="PD_HTTP_BODY_TIMEOUT_S must be a number of seconds > 0, got 'soon'"):
+    with pytest.raises(ValueError, match="PD_HTTP_BODY_TIMEOUT_S"):
         HttpLimits.from_env()
     monkeypatch.setenv("PD_HTTP_BODY_TIMEOUT_S", "1")
     monkeypatch.setenv("PD_HTTP_MAX_CONNECTIONS", "0")

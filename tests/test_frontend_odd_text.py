@@ -10,19 +10,13 @@ import pytest
 
 from splitserve.frontend.http_app import build_app
 from splitserve.frontend.json_body import MAX_DEPTH
-from splitserve.frontend.testing import ScriptedBackend, SimpleModelInfo, SimpleTokenizer
+from splitserve.frontend.testing import ScriptedBackend, SimpleModelInfo
 
-TOKENIZER_JSON = "/work/shared/models/TinyStories-656K/tokenizer.json"
 MODEL = "tinystories"
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 GOOD = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 3}
 GOOD_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
-
-
-@pytest.fixture(scope="module")
-def tok() -> SimpleTokenizer:
-    return SimpleTokenizer.from_file(TOKENIZER_JSON, bos_token="<|start_story|>", eos_token="<|end_story|>")
 
 
 def raw(body: dict, **replace: str) -> bytes:

@@ -13,16 +13,17 @@ import grpc
 import httpx
 import pytest
 from pd.v1 import common_pb2, router_pb2, router_pb2_grpc
-from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 
 from splitserve.frontend.grpc_api import RouterServicer
 from splitserve.frontend.http_app import build_app
 from splitserve.frontend.offload import Offload
 from splitserve.frontend.prompt_limit import PromptLimit
 from splitserve.frontend.testing import ScriptedBackend, SimpleModelInfo, SimpleTokenizer
+from splitserve.paths import default_model_path
 from splitserve.rpc.server import bind, channel, create_server
 
-TOKENIZER_JSON = "/work/shared/models/TinyStories-656K/tokenizer.json"
+TOKENIZER_JSON = str(default_model_path() / "tokenizer.json")
 MODEL = "tinystories"
 GOOD = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 3}
 WAIT_S = 30  # upper bound for a wait that must not hang the suite; never reached when the code is right

@@ -10,14 +10,9 @@ from splitserve.engine.sampling import SamplingParams
 from splitserve.errors import WorkerUnavailable
 from splitserve.frontend.pipeline import TextDelta, generate_text
 from splitserve.frontend.testing import ScriptedBackend, SimpleTokenizer
+from tests.idle import wait_until
 
-TOKENIZER_JSON = "/work/shared/models/TinyStories-656K/tokenizer.json"
 STORY = "Once upon a time, there was a little girl named Lily. She liked to play outside."
-
-
-@pytest.fixture(scope="module")
-def tok() -> SimpleTokenizer:
-    return SimpleTokenizer.from_file(TOKENIZER_JSON, bos_token="<|start_story|>", eos_token="<|end_story|>")
 
 
 async def collect(agen) -> list[TextDelta]:
@@ -86,7 +81,7 @@ async def test_consumer_aclose_aborts_backend(tok: SimpleTokenizer) -> None:
 async def test_cancellation_aborts_backend(tok: SimpleTokenizer) -> None:
     backend = ScriptedBackend(script=story_ids(tok), delay=0.05)
     task = asyncio.ensure_future(collect(generate_text(backend, tok, "x", [1], SamplingParams(max_tokens=100), [])))
-    await asyncio.sleep(0.12)
+    await wait_until("the backend is generating", backend.started.is_set, timeout_s=5.0)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task

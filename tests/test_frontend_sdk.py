@@ -16,14 +16,8 @@ from splitserve.frontend.chat import encode_chat
 from splitserve.frontend.http_app import build_app
 from splitserve.frontend.testing import ScriptedBackend, SimpleModelInfo, SimpleTokenizer
 
-TOKENIZER_JSON = "/work/shared/models/TinyStories-656K/tokenizer.json"
 STORY = "Once upon a time, there was a little girl named Lily. She liked to play outside with her dog."
 MODEL = "tinystories"
-
-
-@pytest.fixture(scope="module")
-def tok() -> SimpleTokenizer:
-    return SimpleTokenizer.from_file(TOKENIZER_JSON, bos_token="<|start_story|>", eos_token="<|end_story|>")
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ def test_allocate_aligns_and_frees_back_to_one_range():
 
 def test_best_fit_prefers_the_smallest_hole():
     a = SegmentAllocator(1000, alignment=1)
-    x, y, z, w = a.allocate(100), a.allocate(300), a.allocate(50), a.allocate(200)
+    _x, y, _z, w = a.allocate(100), a.allocate(300), a.allocate(50), a.allocate(200)
     a.free(y)  # hole of 300 at 100
     a.free(w)  # merges with the tail: hole of 550 at 450
     assert a.allocate(250) == y  # the 300 hole fits best

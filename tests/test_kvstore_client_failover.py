@@ -49,7 +49,7 @@ async def setup():
     client = KVStoreClient("127.0.0.1:1", io_timeout_s=5.0, suspect_s=10.0, clock=lambda: now[0])
     client.data = FakeData()  # control plane unused: no master behind the channel
     yield client, client.data, now
-    await client._channel.close()  # noqa: SLF001
+    await client._channel.close()
 
 
 def location(key, *endpoints, lease_deadline=1e9):

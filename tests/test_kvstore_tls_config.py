@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from splitserve.cli import _tls_env, _up
+from splitserve.cli import _up
 from splitserve.healthcheck import main as healthcheck
 from splitserve.rpc.tls import TlsConfig
 from splitserve.services.kvstore.master.config import parse as parse_master
 from splitserve.services.kvstore.node.config import parse as parse_node
+from splitserve.up_config import tls_env as up_tls_env
 from tests.certs import make_pki, tls_env
 
 
@@ -43,9 +44,9 @@ def test_bad_tls_settings_are_refused(pki, tmp_path):
 
 
 def test_up_passes_one_tls_configuration_to_every_process(pki):
-    env = _tls_env(TlsConfig(pki.cert, pki.key, pki.ca, client_auth=True, server_name="localhost"))
+    env = up_tls_env(TlsConfig(pki.cert, pki.key, pki.ca, client_auth=True, server_name="localhost"))
     assert env == {**tls_env(pki), "PD_TLS_SERVER_NAME": "localhost"}
-    assert _tls_env(TlsConfig()) == {}
+    assert up_tls_env(TlsConfig()) == {}
 
 
 def test_healthcheck_reports_a_bad_tls_configuration(monkeypatch, tmp_path):

@@ -31,6 +31,7 @@ from splitserve.client import RouterClient
 from splitserve.launcher import Child
 from splitserve.rpc.server import channel
 from tests.cluster import start_cluster
+from tests.idle import wait_idle, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -100,26 +101,16 @@ class Live:
             await asyncio.sleep(0.1)
         return time.monotonic() - t0
 
-    async def wait_idle(self, timeout_s: float) -> None:
-        t0 = time.monotonic()
-        while True:
-            report, idle = {}, True
-            for w in self.workers():
-                s = await self.stats(w)
-                report[w.name] = s
-                idle &= (s["kv_blocks_free"] == s["kv_blocks_total"] and s["requests_running"] == 0
-                         and s["requests_waiting"] == 0 and s.get("streams_open", 0) == 0
-                         and s.get("prefills_in_flight", 0) == 0 and s.get("kv_transfers_held", 0) == 0)
-            if self.router_child.proc.poll() is None:
-                async with RouterClient(self.router) as client:
-                    r = await client.stats()
-                report["router"] = r
-                idle &= r.get("streams_open", 0) == 0 and r.get("background_tasks", 0) == 0
-            if idle:
-                return
-            if time.monotonic() - t0 > timeout_s:
-                raise AssertionError(f"not back to baseline after {timeout_s} s: {report}")
-            await asyncio.sleep(0.1)
+    async def read_stats(self) -> tuple[dict[str, dict], dict | None]:
+        """GetStats counters of every live worker (by name) and of the router while it runs (tests/idle.py)."""
+        workers = {w.name: await self.stats(w) for w in self.workers()}
+        if self.router_child.proc.poll() is not None:
+            return workers, None
+        async with RouterClient(self.router) as client:
+            return workers, await client.stats()
+
+    async def wait_idle(self, timeout_s: float) -> float:
+        return await wait_idle(self.read_stats, timeout_s)
 
 
 @pytest.fixture(scope="module")
@@ -309,9 +300,12 @@ async def test_sigterm_drains_the_router(live, references):
             await asyncio.sleep(0.01)
     await decoding_on(live, live.d0, 1)
     live.router_child.proc.send_signal(signal.SIGTERM)
-    await asyncio.sleep(0.3)
     async with httpx.AsyncClient(base_url=live.base_url, timeout=10) as http:
-        assert (await http.get("/health")).status_code == 503
+
+        async def draining() -> bool:
+            return (await http.get("/health")).status_code == 503
+
+        await wait_until("the router reports draining on /health", draining, timeout_s=10.0)
         r = await http.post("/v1/completions", json={"prompt": "Once", "max_tokens": 4})
         assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
     with pytest.raises(grpc.aio.AioRpcError) as err:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 
-import grpc
 import httpx
 import pytest
 from pd.v1 import common_pb2, router_pb2, router_pb2_grpc

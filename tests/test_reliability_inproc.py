@@ -15,19 +15,12 @@ from pd.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_
 
 from splitserve.client import RouterClient
 from splitserve.engine.sampling import SamplingParams
-from splitserve.model import load_model
-from splitserve.paths import default_model_path
 from splitserve.rpc.server import channel
 from splitserve.rpc.tls import TlsConfig
 from tests.certs import make_pki
 from tests.inproc_cluster import InprocCluster
 
 PROMPT = "Once upon a time, there was a little girl named Lily. She loved to play outside"
-
-
-@pytest.fixture(scope="module")
-def lm():
-    return load_model(default_model_path())
 
 
 @pytest.fixture

@@ -7,17 +7,11 @@ import pytest
 from pd.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 from splitserve.engine.async_engine import AsyncEngine, EngineConfig
-from splitserve.model import load_model
-from splitserve.paths import default_model_path
 from splitserve.rpc.server import bind, create_server
 from splitserve.services.decode.server import DecodeServicer
 from splitserve.services.prefill.server import PrefillServicer
 from splitserve.transfer import create_receiver, create_sender
-
-
-@pytest.fixture(scope="module")
-def lm():
-    return load_model(default_model_path())
+from tests.idle import engine_stats, wait_idle, wait_until
 
 
 @pytest.fixture
@@ -73,9 +67,7 @@ async def test_prefill_then_decode_equals_local_generation(workers, lm):
     async for msg in decode.Decode(decode_pb2.DecodeRequest(request_id="r2", prompt_token_ids=prompt, sampling=sampling())):
         local += msg.token_ids
     assert tokens == local and len(tokens) == 8
-    await asyncio.sleep(0.05)
-    assert await free_blocks(p_engine) == p_engine.num_blocks
-    assert await free_blocks(d_engine) == d_engine.num_blocks
+    await wait_idle(engine_stats(prefill=p_engine, decode=d_engine), timeout_s=2.0)
 
 
 async def test_unpulled_kv_is_freed_by_lease_and_then_not_found(workers, lm):
@@ -83,8 +75,8 @@ async def test_unpulled_kv_is_freed_by_lease_and_then_not_found(workers, lm):
     prompt = lm.tokenizer.encode("Once upon a time")
     resp = await prefill.Prefill(prefill_pb2.PrefillRequest(request_id="r3", prompt_token_ids=prompt, sampling=sampling()))
     assert await free_blocks(p_engine) < p_engine.num_blocks
-    await asyncio.sleep(0.6)
-    assert await free_blocks(p_engine) == p_engine.num_blocks and servicer.leases.expired == 1
+    await wait_until("the 0.3 s KV lease expired", lambda: servicer.leases.expired == 1, timeout_s=5.0)
+    await wait_idle(engine_stats(prefill=p_engine), timeout_s=2.0)
     request = decode_pb2.DecodeRequest(request_id="r3", prompt_token_ids=prompt, sampling=sampling(),
                                        kv_handle=resp.kv_handle, first_token_id=resp.first_token_id)
     # default policy (fallback): the decode worker recomputes the prompt's KV and says so on the first message

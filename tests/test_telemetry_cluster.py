@@ -13,7 +13,6 @@ import random
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest

@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.applications import Starlette
 
-from splitserve.telemetry import metrics as _metrics  # noqa: F401 - registers every metric
+from splitserve.telemetry import metrics as _metrics  # registers every metric
 from splitserve.telemetry import tracing
 from splitserve.telemetry.asgi import metrics_route
 from splitserve.telemetry.exposition import check_metrics_port, register_engine, start_metrics_server

@@ -7,7 +7,6 @@ real prefill and decode servicers (inproc KV transport) and checks the whole spa
 from __future__ import annotations
 
 import asyncio
-import time
 
 import grpc
 import pytest
@@ -16,14 +15,13 @@ from opentelemetry.trace import SpanKind
 from pd.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 from splitserve.engine.async_engine import AsyncEngine, EngineConfig
-from splitserve.model import load_model
-from splitserve.paths import default_model_path
 from splitserve.services.decode.server import DecodeServicer
 from splitserve.services.prefill.server import PrefillServicer
 from splitserve.telemetry.interceptors import client_interceptors, server_interceptors
 from splitserve.telemetry.tracing import tracer
 from splitserve.transfer import create_receiver, create_sender
 from tests.telemetry_helpers import Spans
+from tests.idle import engine_stats, wait_idle, wait_until
 
 CANCELLED = grpc.StatusCode.CANCELLED.value[0]
 
@@ -35,11 +33,7 @@ def spans(monkeypatch):
 
 async def wait_for(predicate, timeout_s=5.0):
     """Poll until ``predicate()`` (spans end on other tasks after a cancellation)."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError("condition not met")
-        await asyncio.sleep(0.01)
+    await wait_until("spans ended", predicate, timeout_s, poll_s=0.01)
 
 
 def _echo(request: bytes, context) -> bytes:
@@ -131,11 +125,6 @@ async def test_handler_error_sets_error_status(spans, echo):
 # ------------------------------------------------------------------------------------------ real servicers
 
 
-@pytest.fixture(scope="module")
-def lm():
-    return load_model(default_model_path())
-
-
 @pytest.fixture
 async def workers(lm, spans):
     p_engine, d_engine = AsyncEngine(lm, EngineConfig(kv_cache_mb=4)), AsyncEngine(lm, EngineConfig(kv_cache_mb=4))
@@ -204,7 +193,6 @@ async def test_span_tree_of_one_request_through_the_servicers(spans, workers):
 
 async def test_decode_stream_cancelled_by_the_router(spans, workers):
     prefill, decode, d_engine = workers
-    free0 = (await d_engine.stats())["kv_blocks_free"]
     call = await _prefill_then_decode(prefill, decode, "traced-2", 400)
     await call.read()
     await call.read()
@@ -215,9 +203,4 @@ async def test_decode_stream_cancelled_by_the_router(spans, workers):
     server = next(s for s in spans.all() if s.name == "/pd.v1.DecodeService/Decode" and s.kind is SpanKind.SERVER)
     assert spans.is_error(gen) and gen.attributes["splitserve.outcome"] == "cancelled"
     assert server.attributes["rpc.grpc.status_code"] == CANCELLED and server.end_time is not None
-    for _ in range(100):  # blocks freed: the wrappers leak nothing
-
-        if (await d_engine.stats())["kv_blocks_free"] == free0:
-            break
-        await asyncio.sleep(0.02)
-    assert (await d_engine.stats())["kv_blocks_free"] == free0
+    await wait_idle(engine_stats(decode=d_engine), timeout_s=2.0)  # every KV block free: the wrappers leak nothing

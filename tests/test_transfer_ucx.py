@@ -14,13 +14,13 @@ import torch
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")  # UCX may otherwise route 127.0.0.1 over eth0 too
 
-from splitserve.errors import KVChecksumMismatch, KVLayoutMismatch, KVTransferError, TransferNotFound  # noqa: E402
-from splitserve.transfer import TransferRefused, apply_ucx_env_defaults, create_receiver, create_sender  # noqa: E402
-from splitserve.transfer import ucx_env_defaults, wire  # noqa: E402
-from splitserve.transfer.common import Status  # noqa: E402
-from splitserve.transfer.kv_cache import allocate_kv_cache  # noqa: E402
-from splitserve.transfer.layout import KVLayout  # noqa: E402
-from splitserve.transfer.testing import (  # noqa: E402
+from splitserve.errors import KVChecksumMismatch, KVLayoutMismatch, KVTransferError, TransferNotFound
+from splitserve.transfer import TransferRefused, apply_ucx_env_defaults, create_receiver, create_sender
+from splitserve.transfer import ucx_env_defaults, wire
+from splitserve.transfer.common import Status
+from splitserve.transfer.kv_cache import allocate_kv_cache
+from splitserve.transfer.layout import KVLayout
+from splitserve.transfer.testing import (
     SenderProcess,
     block_bytes,
     expected_block,
@@ -161,7 +161,7 @@ async def test_concurrent_fetches_share_one_endpoint(peer, receiver):
     assert sizes == [4 * LAYOUT.block_nbytes] * 8
     for _tid, s, d in jobs:
         assert_blocks(pool, s, d)
-    assert list(r._endpoints.peers) == [peer.endpoint]  # noqa: SLF001 - one cached endpoint per peer
+    assert list(r._endpoints.peers) == [peer.endpoint]  # one cached endpoint per peer
 
 
 @real_ucx
@@ -303,7 +303,7 @@ async def test_connect_to_hung_peer_times_out_leaving_nothing_posted(receiver):
         with pytest.raises(KVTransferError):
             await r.fetch(victim.endpoint, "hung", [0], [0], 0.5)
         assert time.monotonic() - t0 < 0.5 + 2.5  # the handshake's deadline, then closing the endpoint
-        assert not [o for o in ucx_connect._orphans if o[0] == victim.endpoint]  # noqa: SLF001 - closing cancelled it
+        assert not [o for o in ucx_connect._orphans if o[0] == victim.endpoint]  # closing cancelled it
         victim.resume()
         await asyncio.sleep(0.5)  # the peer now answers the abandoned handshake
         victim.register("after-hang", [4])
@@ -344,7 +344,7 @@ async def test_sender_process_closes_quickly(receiver):
     p.register("pending", [1])
     await r.fetch(p.endpoint, "t", [0], [0], 10.0)
     t0 = time.monotonic()
-    events = p._call("close")  # noqa: SLF001
+    events = p._call("close")
     p.proc.join(5)
     assert time.monotonic() - t0 < 3.0
     assert p.proc.exitcode == 0
@@ -389,12 +389,12 @@ async def test_listener_survives_a_client_that_hangs_mid_handshake():
     server = UcxServer(lambda ep, msg: got.append(bytes(msg)) or True, name="test", handshake_timeout_s=0.3)
     await server.start()
     try:
-        stalled = ucx_api.UCXEndpoint.create(core._get_ctx().worker, "127.0.0.1", server.port, True)  # noqa: SLF001
+        stalled = ucx_api.UCXEndpoint.create(core._get_ctx().worker, "127.0.0.1", server.port, True)
         t0 = time.monotonic()
         while server.handshakes_failed == 0:
             assert time.monotonic() - t0 < 3.0, "the listener never gave up on the stalled handshake"
             await asyncio.sleep(0.05)
-        assert not [o for o in ucx_connect._orphans if o[0].startswith("client")]  # noqa: SLF001
+        assert not [o for o in ucx_connect._orphans if o[0].startswith("client")]
         stalled.close_blocking(period=10**9, max_attempts=1)
         ep = await ucx_connect.create_endpoint("127.0.0.1", server.port, 5.0)  # others connect as usual
         await ep.am_send(b"hello")

@@ -9,6 +9,7 @@ import os
 import sys
 from pathlib import Path
 
+from splitserve.env import env_str
 from splitserve.bench import arrivals as arr
 from splitserve.bench import workloads as wl
 from splitserve.bench.metrics import SLO
@@ -34,8 +35,7 @@ def _range(text: str) -> tuple[int, int]:
 
 
 def add_workload_args(ap: argparse.ArgumentParser) -> None:
-    env = os.environ.get
-    ap.add_argument("--model", default=env("PD_MODEL") or None,
+    ap.add_argument("--model", default=env_str("PD_MODEL") or None,
                     help="model path or synthetic:NAME (its tokenizer builds prompts; its name is the request's model); "
                          "default: bench, the model the endpoint serves (GET /v1/models); compare, " + DEFAULT_COMPARE_MODEL)
     ap.add_argument("--served-model-name", help="model name the server answers to (default: from --model)")
@@ -136,7 +136,7 @@ def run_main(argv: list[str]) -> int:
 
     ap = argparse.ArgumentParser(prog="splitserve bench", description="Benchmark an OpenAI-compatible endpoint.", epilog=USAGE,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--url", default=os.environ.get("PD_BENCH_URL", "http://127.0.0.1:8000"), help="server base URL")
+    ap.add_argument("--url", default=env_str("PD_BENCH_URL", "http://127.0.0.1:8000"), help="server base URL")
     ap.add_argument("--label", default="server", help="name of this configuration in the report")
     add_workload_args(ap)
     a = ap.parse_args(argv)
@@ -259,7 +259,7 @@ def efficiency_main(argv: list[str]) -> int:
     from splitserve.model import load_model
 
     ap = argparse.ArgumentParser(prog="splitserve bench efficiency", description="Engine efficiency vs this CPU's limits.")
-    ap.add_argument("--model", default=os.environ.get("PD_MODEL", "synthetic:llama-25m"))
+    ap.add_argument("--model", default=env_str("PD_MODEL", "synthetic:llama-25m"))
     ap.add_argument("--threads", default="1,2", help="torch thread counts to measure")
     ap.add_argument("--batch", type=int, default=8, help="decode batch size")
     ap.add_argument("--context", type=int, default=512, help="decode context tokens per sequence")

@@ -162,7 +162,8 @@ def targets(workload: Workload, results: list[RunResult]) -> list[str]:
                      + ("MET" if ratio >= 1.5 else f"MISSED by {1.5 - ratio:.2f} (ratio)"))
         if c:
             gc = c["goodput_rps"]
-            lines.append(f"goodput vs colocated-chunked: {gd:.3f} vs {gc:.3f} req/s (ratio {gd / gc if gc else float('inf'):.2f}; reported, no target)")
+            lines.append(f"goodput vs colocated-chunked: {gd:.3f} vs {gc:.3f} req/s "
+                         f"(ratio {gd / gc if gc else float('inf'):.2f}; reported, no target)")
     return lines
 
 

@@ -105,7 +105,8 @@ def measure(lm: LoadedModel, threads: tuple[int, ...] = (1, 2), batch: int = 8, 
 def format_rows(rows: list[dict], model: str) -> str:
     """Markdown lines for ``measure`` output."""
     out = [f"Engine efficiency ({model}):", "",
-           "| threads | memcpy GB/s | decode step (ms) | bandwidth bound (ms) | step ÷ bound | prefill tok/s | prefill GFLOP/s | matmul peak GFLOP/s | prefill ÷ peak |",
+           "| threads | memcpy GB/s | decode step (ms) | bandwidth bound (ms) | step ÷ bound | prefill tok/s | prefill GFLOP/s "
+           "| matmul peak GFLOP/s | prefill ÷ peak |",
            "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         out.append(f"| {r['threads']} | {r['memcpy_GBps']:.1f} | {r['decode_step_ms']:.1f} (batch {r['decode_batch']}, ctx {r['decode_context']}) | "

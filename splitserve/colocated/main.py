@@ -6,11 +6,11 @@ import argparse
 import asyncio
 import gc
 import logging
-import os
 from pathlib import Path
 
 from pd.v1 import router_pb2_grpc
 
+from splitserve.env import env_int, env_str
 from splitserve.config_checks import check_port
 from splitserve.engine.args import add_engine_args, engine_config
 from splitserve.colocated.backend import LocalBackend
@@ -71,14 +71,13 @@ async def serve(args: argparse.Namespace) -> None:
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line (``--help`` and usage errors exit 2). Raises ValueError for bad settings."""
-    env = os.environ.get
     ap = argparse.ArgumentParser(prog="splitserve colocated", description="Serve prefill and decode in one process.")
     add_engine_args(ap)
-    ap.add_argument("--served-model-name", default=env("PD_SERVED_MODEL_NAME"))
-    ap.add_argument("--host", default=env("PD_HOST", "127.0.0.1"))
-    ap.add_argument("--http-port", type=int, default=int(env("PD_HTTP_PORT", "8000")))
-    ap.add_argument("--grpc-port", type=int, default=int(env("PD_GRPC_PORT", "50050")))
-    ap.add_argument("--api-key", default=env("PD_API_KEY"), help="require Authorization: Bearer <key> (prefer PD_API_KEY)")
+    ap.add_argument("--served-model-name", default=env_str("PD_SERVED_MODEL_NAME"))
+    ap.add_argument("--host", default=env_str("PD_HOST", "127.0.0.1"))
+    ap.add_argument("--http-port", type=int, default=env_int("PD_HTTP_PORT", 8000))
+    ap.add_argument("--grpc-port", type=int, default=env_int("PD_GRPC_PORT", 50050))
+    ap.add_argument("--api-key", default=env_str("PD_API_KEY"), help="require Authorization: Bearer <key> (prefer PD_API_KEY)")
     add_tls_args(ap)
     add_keepalive_args(ap)
     add_shutdown_args(ap)

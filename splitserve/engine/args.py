@@ -3,33 +3,34 @@
 from __future__ import annotations
 
 import argparse
-import os
 
 from splitserve.engine.config import EngineConfig
+from splitserve.env import env_bool, env_choice, env_float, env_int, env_str
 from splitserve.paths import default_model_path
+
+TRANSPORTS = ("ucx", "inproc")
 
 
 def add_engine_args(ap: argparse.ArgumentParser) -> None:
-    env = os.environ.get
-    ap.add_argument("--model", default=env("PD_MODEL", str(default_model_path())), help="HF folder or .gguf file")
-    ap.add_argument("--block-size", type=int, default=int(env("PD_BLOCK_SIZE", "16")), help="tokens per KV block")
-    ap.add_argument("--kv-cache-mb", type=int, default=int(env("PD_KV_CACHE_MB", "256")), help="KV pool size, MiB")
-    ap.add_argument("--num-blocks", type=int, default=int(env("PD_NUM_BLOCKS", "0")),
+    ap.add_argument("--model", default=env_str("PD_MODEL", str(default_model_path())), help="HF folder or .gguf file")
+    ap.add_argument("--block-size", type=int, default=env_int("PD_BLOCK_SIZE", 16), help="tokens per KV block")
+    ap.add_argument("--kv-cache-mb", type=int, default=env_int("PD_KV_CACHE_MB", 256), help="KV pool size, MiB")
+    ap.add_argument("--num-blocks", type=int, default=env_int("PD_NUM_BLOCKS", 0),
                     help="KV pool size in blocks (overrides --kv-cache-mb); 0 = as many as --kv-cache-mb holds")
-    ap.add_argument("--max-queue-len", type=int, default=int(env("PD_MAX_QUEUE_LEN", "1024")),
+    ap.add_argument("--max-queue-len", type=int, default=env_int("PD_MAX_QUEUE_LEN", 1024),
                     help="requests (and KV block allocations) that may wait for free KV blocks at once; more are refused "
                          "with RESOURCE_EXHAUSTED")
-    ap.add_argument("--max-queue-wait-s", type=float, default=float(env("PD_MAX_QUEUE_WAIT_S", "30")),
+    ap.add_argument("--max-queue-wait-s", type=float, default=env_float("PD_MAX_QUEUE_WAIT_S", 30.0),
                     help="longest wait for free KV blocks before RESOURCE_EXHAUSTED (inf = no bound; a deadline or "
                          "cancel still ends the wait)")
-    ap.add_argument("--max-num-seqs", type=int, default=int(env("PD_MAX_NUM_SEQS", "64")))
-    ap.add_argument("--max-num-batched-tokens", type=int, default=int(env("PD_MAX_NUM_BATCHED_TOKENS", "4096")),
+    ap.add_argument("--max-num-seqs", type=int, default=env_int("PD_MAX_NUM_SEQS", 64))
+    ap.add_argument("--max-num-batched-tokens", type=int, default=env_int("PD_MAX_NUM_BATCHED_TOKENS", 4096),
                     help="prompt tokens per prefill batch; with --enable-chunked-prefill, tokens per step (budget)")
     ap.add_argument("--enable-chunked-prefill", action="store_true",
-                    default=env("PD_ENABLE_CHUNKED_PREFILL", "0").lower() in ("1", "true", "yes"),
+                    default=env_bool("PD_ENABLE_CHUNKED_PREFILL"),
                     help="mix running decodes and prompt chunks in each step (Sarathi-style token budget)")
-    ap.add_argument("--torch-threads", type=int, default=int(env("PD_TORCH_THREADS", "1")))
-    ap.add_argument("--transport", default=env("PD_KV_TRANSPORT", "ucx"), choices=["ucx", "inproc"])
+    ap.add_argument("--torch-threads", type=int, default=env_int("PD_TORCH_THREADS", 1))
+    ap.add_argument("--transport", default=env_choice("PD_KV_TRANSPORT", TRANSPORTS, "ucx"), choices=TRANSPORTS)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

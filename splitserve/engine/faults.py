@@ -8,8 +8,9 @@ tests on real processes can act while streams are surely in flight, whatever the
 from __future__ import annotations
 
 import logging
-import os
 import time
+
+from splitserve.env import env_float
 
 logger = logging.getLogger(__name__)
 
@@ -17,12 +18,12 @@ logger = logging.getLogger(__name__)
 def apply_engine_faults(engine, env: dict[str, str] | None = None) -> None:
     """Slow ``engine`` (an :class:`~splitserve.engine.async_engine.AsyncEngine`) down as ``PD_FAULT_STEP_DELAY_MS``
     says. Raises ValueError for a value that is not a number >= 0."""
-    value = (os.environ if env is None else env).get("PD_FAULT_STEP_DELAY_MS", "")
-    if not value:
+    delay_ms = env_float("PD_FAULT_STEP_DELAY_MS", None, env)
+    if delay_ms is None:
         return
-    delay_s = float(value) / 1000
+    delay_s = delay_ms / 1000
     if not delay_s >= 0:
-        raise ValueError(f"PD_FAULT_STEP_DELAY_MS must be >= 0, got {value!r}")
+        raise ValueError(f"PD_FAULT_STEP_DELAY_MS must be >= 0, got {delay_ms!r}")
     logger.warning("engine fault injection is ON: +%g ms per step (tests only)", delay_s * 1000)
     runner = engine.core.runner
     execute = runner.execute

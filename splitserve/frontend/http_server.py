@@ -22,7 +22,6 @@ Settings (environment; seconds unless named otherwise): ``PD_HTTP_HEADER_TIMEOUT
 from __future__ import annotations
 
 import asyncio
-import os
 import resource
 from dataclasses import dataclass
 
@@ -30,18 +29,7 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-
-def _env_float(name: str, default: float) -> float:
-    raw = os.environ.get(name)
-    if raw is None or raw.strip() == "":
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{name} must be a number of seconds > 0, got {raw!r}") from None
-    if not value > 0:
-        raise ValueError(f"{name} must be a number of seconds > 0, got {raw!r}")
-    return value
+from splitserve.env import env_float, env_int
 
 
 def default_max_connections() -> int:
@@ -63,29 +51,23 @@ class HttpLimits:
 
     def __post_init__(self) -> None:
         """Raises ValueError naming the first setting out of range."""
-        for name, value in (("header_timeout_s", self.header_timeout_s), ("body_timeout_s", self.body_timeout_s),
-                            ("keepalive_timeout_s", self.keepalive_timeout_s)):
+        for name, value in (("PD_HTTP_HEADER_TIMEOUT_S", self.header_timeout_s), ("PD_HTTP_BODY_TIMEOUT_S", self.body_timeout_s),
+                            ("PD_HTTP_KEEPALIVE_TIMEOUT_S", self.keepalive_timeout_s)):
             if not value > 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
         if self.max_connections < 1:
-            raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
+            raise ValueError(f"PD_HTTP_MAX_CONNECTIONS must be >= 1, got {self.max_connections}")
 
     @classmethod
     def from_env(cls) -> HttpLimits:
-        """From ``PD_HTTP_*`` (see the module docstring). Raises ValueError naming a bad variable."""
-        raw = os.environ.get("PD_HTTP_MAX_CONNECTIONS", "").strip()
-        try:
-            max_connections = int(raw) if raw else default_max_connections()
-        except ValueError:
-            raise ValueError(f"PD_HTTP_MAX_CONNECTIONS must be an integer >= 1, got {raw!r}") from None
-        if max_connections < 1:
-            raise ValueError(f"PD_HTTP_MAX_CONNECTIONS must be an integer >= 1, got {raw!r}")
-        return cls(
-            header_timeout_s=_env_float("PD_HTTP_HEADER_TIMEOUT_S", 10.0),
-            body_timeout_s=_env_float("PD_HTTP_BODY_TIMEOUT_S", 30.0),
-            keepalive_timeout_s=_env_float("PD_HTTP_KEEPALIVE_TIMEOUT_S", 5.0),
-            max_connections=max_connections,
+        """From ``PD_HTTP_*`` (see the module docstring). Raises ValueError (EnvError) naming a bad variable."""
+        limits = cls(
+            header_timeout_s=env_float("PD_HTTP_HEADER_TIMEOUT_S", 10.0),
+            body_timeout_s=env_float("PD_HTTP_BODY_TIMEOUT_S", 30.0),
+            keepalive_timeout_s=env_float("PD_HTTP_KEEPALIVE_TIMEOUT_S", 5.0),
+            max_connections=env_int("PD_HTTP_MAX_CONNECTIONS", default_max_connections()),
         )
+        return limits
 
 
 class DeadlineH11Protocol(H11Protocol):

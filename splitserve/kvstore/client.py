@@ -251,7 +251,7 @@ class KVStoreClient:
             return await coro, loop.time() - start
         except asyncio.CancelledError:
             raise
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+        except BaseException as exc:  # handed to the caller
             return exc, loop.time() - start
 
     def _next_replica(self, loc: ObjectLocation, attempt: list[int], i: int) -> ReplicaInfo | None:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import dataclass
+
+from splitserve.env import env_choice, env_float, env_str
 
 TRANSFER_MODES = ("direct", "store")
 
@@ -44,12 +45,11 @@ class StoreClientConfig:
 
 
 def add_store_args(ap: argparse.ArgumentParser) -> None:
-    env = os.environ.get
-    ap.add_argument("--kvstore-master", default=env("PD_KVSTORE_MASTER", ""), help="KV store master host:port (empty: no store)")
-    ap.add_argument("--kv-transfer-mode", default=env("PD_KV_TRANSFER_MODE", "direct"), choices=TRANSFER_MODES)
-    ap.add_argument("--kvstore-salt", default=env("PD_KVSTORE_SALT", ""))
-    ap.add_argument("--kvstore-io-timeout-s", type=float, default=float(env("PD_KVSTORE_IO_TIMEOUT_S", "5")))
-    ap.add_argument("--kvstore-wait-s", type=float, default=float(env("PD_KVSTORE_WAIT_S", "10")))
+    ap.add_argument("--kvstore-master", default=env_str("PD_KVSTORE_MASTER", ""), help="KV store master host:port (empty: no store)")
+    ap.add_argument("--kv-transfer-mode", default=env_choice("PD_KV_TRANSFER_MODE", TRANSFER_MODES, "direct"), choices=TRANSFER_MODES)
+    ap.add_argument("--kvstore-salt", default=env_str("PD_KVSTORE_SALT", ""))
+    ap.add_argument("--kvstore-io-timeout-s", type=float, default=env_float("PD_KVSTORE_IO_TIMEOUT_S", 5.0))
+    ap.add_argument("--kvstore-wait-s", type=float, default=env_float("PD_KVSTORE_WAIT_S", 10.0))
 
 
 def store_config(a: argparse.Namespace) -> StoreClientConfig:

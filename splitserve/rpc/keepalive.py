@@ -21,9 +21,10 @@ it opens channels or servers.
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import dataclass
 from typing import Mapping
+
+from splitserve.env import env_float
 
 #: servers accept a ping this often (ms) with or without calls; half the smallest allowed keepalive time,
 #: so timer jitter never counts as a "ping strike"
@@ -75,8 +76,8 @@ class KeepaliveConfig:
 
 def keepalive_from_env(environ: Mapping[str, str] | None = None) -> KeepaliveConfig:
     """The configuration ``PD_GRPC_KEEPALIVE_TIME_S`` / ``PD_GRPC_KEEPALIVE_TIMEOUT_S`` describe (defaults 10, 5)."""
-    env = (os.environ if environ is None else environ).get
-    return KeepaliveConfig(float(env("PD_GRPC_KEEPALIVE_TIME_S") or 10.0), float(env("PD_GRPC_KEEPALIVE_TIMEOUT_S") or 5.0))
+    return KeepaliveConfig(env_float("PD_GRPC_KEEPALIVE_TIME_S", 10.0, environ),
+                           env_float("PD_GRPC_KEEPALIVE_TIMEOUT_S", 5.0, environ))
 
 
 _current: KeepaliveConfig | None = None
@@ -94,11 +95,10 @@ def configure(config: KeepaliveConfig | None) -> None:
 
 
 def add_keepalive_args(ap: argparse.ArgumentParser) -> None:
-    env = os.environ.get
     g = ap.add_argument_group("gRPC keepalive (hung peers)")
-    g.add_argument("--grpc-keepalive-time-s", type=float, default=float(env("PD_GRPC_KEEPALIVE_TIME_S") or 10.0),
+    g.add_argument("--grpc-keepalive-time-s", type=float, default=env_float("PD_GRPC_KEEPALIVE_TIME_S", 10.0),
                    help="seconds between HTTP/2 PINGs on every gRPC connection (>= 1)")
-    g.add_argument("--grpc-keepalive-timeout-s", type=float, default=float(env("PD_GRPC_KEEPALIVE_TIMEOUT_S") or 5.0),
+    g.add_argument("--grpc-keepalive-timeout-s", type=float, default=env_float("PD_GRPC_KEEPALIVE_TIMEOUT_S", 5.0),
                    help="a peer that does not answer a PING within this many seconds is treated as gone")
 
 

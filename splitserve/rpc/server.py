@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import signal
 from typing import Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from splitserve.env import env_int
 from splitserve.rpc import keepalive
 from splitserve.rpc.interceptors import ApiKeyInterceptor, StrictDecodeInterceptor
 from splitserve.rpc.shutdown import Drain, DrainInterceptor
@@ -26,7 +26,7 @@ def max_message_bytes() -> int:
     pd.v1 carries control data only (KV bytes go over UCX). The largest legitimate message is a prompt of
     the longest context, as token ids (<= 5 bytes each) or text (a few bytes per token): 16 MiB covers a
     1M-token context. Anything larger is refused with RESOURCE_EXHAUSTED before it is parsed."""
-    mb = int(os.environ.get("PD_GRPC_MAX_MESSAGE_MB", "16"))
+    mb = env_int("PD_GRPC_MAX_MESSAGE_MB", 16)
     if mb < 1:
         raise ValueError(f"PD_GRPC_MAX_MESSAGE_MB must be >= 1, got {mb}")
     return mb * 2**20

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import signal
 import time
 from typing import Callable, Collection
@@ -28,6 +27,7 @@ from typing import Callable, Collection
 import grpc
 from grpc_health.v1 import health, health_pb2
 
+from splitserve.env import env_float
 from splitserve.rpc.interceptors import _deny
 
 logger = logging.getLogger(__name__)
@@ -170,7 +170,7 @@ async def serve_until_signalled(
 
 
 def add_shutdown_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--shutdown-grace-s", type=float, default=float(os.environ.get("PD_SHUTDOWN_GRACE_S") or DEFAULT_GRACE_S),
+    ap.add_argument("--shutdown-grace-s", type=float, default=env_float("PD_SHUTDOWN_GRACE_S", DEFAULT_GRACE_S),
                     help="on SIGTERM/SIGINT, how long in-flight requests may take to finish (0: stop at once)")
 
 

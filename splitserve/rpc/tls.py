@@ -16,12 +16,13 @@ configuration to all processes it starts.
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
 import grpc
+
+from splitserve.env import env_bool, env_str
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,19 +72,14 @@ def _read(path: str | None) -> bytes:
     return Path(path).read_bytes()  # type: ignore[arg-type]
 
 
-def _truthy(value: str | None) -> bool:
-    return (value or "").strip().lower() in ("1", "true", "yes", "on")
-
-
 def add_tls_args(ap: argparse.ArgumentParser) -> None:
-    env = os.environ.get
     g = ap.add_argument_group("TLS (gRPC)")
-    g.add_argument("--tls-cert", default=env("PD_TLS_CERT"), help="PEM certificate chain of this process")
-    g.add_argument("--tls-key", default=env("PD_TLS_KEY"), help="PEM private key of --tls-cert")
-    g.add_argument("--tls-ca", default=env("PD_TLS_CA"), help="PEM CA bundle that peers' certificates chain to")
-    g.add_argument("--tls-client-auth", action="store_true", default=_truthy(env("PD_TLS_CLIENT_AUTH")),
+    g.add_argument("--tls-cert", default=env_str("PD_TLS_CERT"), help="PEM certificate chain of this process")
+    g.add_argument("--tls-key", default=env_str("PD_TLS_KEY"), help="PEM private key of --tls-cert")
+    g.add_argument("--tls-ca", default=env_str("PD_TLS_CA"), help="PEM CA bundle that peers' certificates chain to")
+    g.add_argument("--tls-client-auth", action="store_true", default=env_bool("PD_TLS_CLIENT_AUTH"),
                    help="servers require client certificates signed by --tls-ca (mutual TLS)")
-    g.add_argument("--tls-server-name", default=env("PD_TLS_SERVER_NAME"), help="name expected in servers' certificates")
+    g.add_argument("--tls-server-name", default=env_str("PD_TLS_SERVER_NAME"), help="name expected in servers' certificates")
 
 
 def tls_config(args: argparse.Namespace) -> TlsConfig:
@@ -93,6 +89,6 @@ def tls_config(args: argparse.Namespace) -> TlsConfig:
 
 def tls_from_env(environ: Mapping[str, str] | None = None) -> TlsConfig:
     """The configuration the ``PD_TLS_*`` variables of ``environ`` (default ``os.environ``) describe."""
-    env = (os.environ if environ is None else environ).get
-    return TlsConfig(env("PD_TLS_CERT") or None, env("PD_TLS_KEY") or None, env("PD_TLS_CA") or None,
-                     _truthy(env("PD_TLS_CLIENT_AUTH")), env("PD_TLS_SERVER_NAME") or None)
+    return TlsConfig(env_str("PD_TLS_CERT", None, environ), env_str("PD_TLS_KEY", None, environ),
+                     env_str("PD_TLS_CA", None, environ), env_bool("PD_TLS_CLIENT_AUTH", False, environ),
+                     env_str("PD_TLS_SERVER_NAME", None, environ))

@@ -3,9 +3,8 @@ threads, model and engine; the gRPC server (health, keepalive, draining) and ``/
 graceful shutdown (:mod:`splitserve.rpc.shutdown`: NOT_SERVING at once, new work refused with UNAVAILABLE,
 in-flight calls finish within ``config.shutdown_grace_s``, then everything is closed in order).
 
-``config`` is a worker config (:class:`~splitserve.services.prefill.config.PrefillConfig` or
-:class:`~splitserve.services.decode.config.DecodeConfig`): ``model``, ``torch_threads``, ``engine``, ``host``,
-``port``, ``tls``, ``metrics_port``, ``keepalive``, ``shutdown_grace_s``.
+``config`` is a :class:`~splitserve.services.worker_config.WorkerConfig` (a prefill or decode worker's config);
+only its shared fields are used here.
 """
 
 from __future__ import annotations
@@ -13,7 +12,7 @@ from __future__ import annotations
 import inspect
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import grpc
 from grpc_health.v1 import health
@@ -26,10 +25,13 @@ from splitserve.rpc.server import bind, create_server, set_serving
 from splitserve.rpc.shutdown import Drain, serve_until_signalled
 from splitserve.telemetry.exposition import MetricsServer, start_worker_metrics
 
+if TYPE_CHECKING:
+    from splitserve.services.worker_config import WorkerConfig
+
 logger = logging.getLogger(__name__)
 
 
-async def start_engine(config: Any) -> tuple[Any, AsyncEngine]:
+async def start_engine(config: WorkerConfig) -> tuple[Any, AsyncEngine]:
     """Apply the process settings, load the model and start the engine thread. Returns (model, engine)."""
     keepalive.configure(config.keepalive)
     set_torch_threads(config.torch_threads)
@@ -54,7 +56,7 @@ class WorkerServer:
 
     @classmethod
     async def start(cls, role: str, service: str, work_method: str, add_servicer: Callable, servicer: object,
-                    engine: AsyncEngine, config: Any, gauges: dict | None = None) -> "WorkerServer":
+                    engine: AsyncEngine, config: WorkerConfig, gauges: dict | None = None) -> "WorkerServer":
         """Serve ``servicer`` (``add_servicer(servicer, server)``) on ``config.host:config.port``; calls of
         ``work_method`` (e.g. ``"Decode"``) are the ones a shutdown drains."""
         drain = Drain()
@@ -65,7 +67,7 @@ class WorkerServer:
         metrics = start_worker_metrics(role, engine, config.host, config.metrics_port, gauges=gauges)
         return cls(role, service, server, health_servicer, drain, port, metrics)
 
-    async def serve(self, config: Any, *, busy: Callable[[], bool] | None = None, closers: list[Callable] = ()) -> None:
+    async def serve(self, config: WorkerConfig, *, busy: Callable[[], bool] | None = None, closers: list[Callable] = ()) -> None:
         """SERVING until SIGTERM/SIGINT, then drain (waiting also while ``busy()``), stop, and call ``closers``
         (sync or async) in order; a closer that fails is logged and the next ones still run."""
         await set_serving(self.health, [self.service])

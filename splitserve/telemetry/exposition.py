@@ -137,15 +137,20 @@ class EngineCollector:
         yield CounterMetricFamily("splitserve:engine_prefill_tokens", "Tokens run through prefill steps.", value=core.num_prefill_tokens)
         yield CounterMetricFamily("splitserve:engine_decode_tokens", "Tokens produced by decode steps.", value=core.num_decode_tokens)
         adm = core.admission
-        yield GaugeMetricFamily("splitserve:num_kv_allocations_waiting", "KV block allocations (e.g. for incoming KV) waiting for free blocks.", value=len(adm.waiters))
-        yield CounterMetricFamily("splitserve:kv_block_waits", "Requests and block allocations that had to wait for free KV blocks.", value=adm.num_block_waits + sched.num_block_waits)
-        yield CounterMetricFamily("splitserve:queue_timeouts", "Requests and block allocations that waited max_queue_wait_s and failed.", value=adm.num_timed_out)
-        yield CounterMetricFamily("splitserve:queue_refused", "Requests and block allocations refused: max_queue_len were waiting.", value=adm.num_refused)
+        yield GaugeMetricFamily("splitserve:num_kv_allocations_waiting", "KV block allocations (e.g. for incoming KV) waiting for free blocks.",
+                                value=len(adm.waiters))
+        yield CounterMetricFamily("splitserve:kv_block_waits", "Requests and block allocations that had to wait for free KV blocks.",
+                                  value=adm.num_block_waits + sched.num_block_waits)
+        yield CounterMetricFamily("splitserve:queue_timeouts", "Requests and block allocations that waited max_queue_wait_s and failed.",
+                                  value=adm.num_timed_out)
+        yield CounterMetricFamily("splitserve:queue_refused", "Requests and block allocations refused: max_queue_len were waiting.",
+                                  value=adm.num_refused)
         for name, (doc, read) in self.gauges.items():
             yield GaugeMetricFamily(name, doc, value=read())
 
 
-def register_engine(engine, registry: CollectorRegistry = REGISTRY, gauges: dict[str, tuple[str, Callable[[], float]]] | None = None) -> EngineCollector:
+def register_engine(engine, registry: CollectorRegistry = REGISTRY,
+                    gauges: dict[str, tuple[str, Callable[[], float]]] | None = None) -> EngineCollector:
     """Expose ``engine`` (an AsyncEngine) on ``registry``; see :class:`EngineCollector`."""
     collector = EngineCollector(engine, gauges)
     registry.register(collector)

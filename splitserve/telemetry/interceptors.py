@@ -63,7 +63,7 @@ def server_interceptors(tracer_provider=None) -> list[grpc.aio.ServerInterceptor
     if tracer_provider is None and not tracing_enabled():
         return []
     base = aio_server_interceptor(tracer_provider=tracer_provider, filter_=_filter())
-    return [_ServerInterceptor(base._tracer, filter_=base._filter)]  # noqa: SLF001 - same tracer and filter
+    return [_ServerInterceptor(base._tracer, filter_=base._filter)]  # same tracer and filter
 
 
 def client_interceptors(tracer_provider=None) -> list[grpc.aio.ClientInterceptor]:
@@ -73,7 +73,7 @@ def client_interceptors(tracer_provider=None) -> list[grpc.aio.ClientInterceptor
         return []
     filter_ = _filter()
     library = aio_client_interceptors(tracer_provider=tracer_provider, filter_=filter_)
-    tracer = library[0]._tracer  # noqa: SLF001 - the instrumentation's own tracer (name, version, schema)
+    tracer = library[0]._tracer  # the instrumentation's own tracer (name, version, schema)
     streaming_requests = [i for i in library if not isinstance(i, (UnaryUnaryAioClientInterceptor, UnaryStreamAioClientInterceptor))]
     return [_UnaryUnaryClient(tracer, filter_=filter_), _UnaryStreamClient(tracer, filter_=filter_), *streaming_requests]
 
@@ -170,7 +170,7 @@ async def _end_when_done(span: Span, call) -> None:
     try:
         code = await call.code()
         details = await call.details()
-    except BaseException as exc:  # noqa: BLE001 - the span must end whatever happens
+    except BaseException as exc:  # the span must end whatever happens
         span.record_exception(exc)
         code, details = grpc.StatusCode.UNKNOWN, repr(exc)
     span.set_attribute(RPC_GRPC_STATUS_CODE, code.value[0])

@@ -94,7 +94,7 @@ class OTLPReceiver(trace_service_pb2_grpc.TraceServiceServicer):
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def Export(self, request, context):  # noqa: N802 - gRPC method name
+    def Export(self, request, context):  # gRPC method name
         spans = _spans(request)
         with self._cond:
             self._spans.extend(spans)

@@ -83,7 +83,8 @@ def observe_receive(transport: str, endpoint: str, transfer_id: str, num_blocks:
     obs.finish(True)
 
 
-def start_send(transport: str, transfer_id: str, num_blocks: int, trace_context: str = "", clock: Callable[[], float] = time.perf_counter) -> TransferObservation:
+def start_send(transport: str, transfer_id: str, num_blocks: int, trace_context: str = "",
+               clock: Callable[[], float] = time.perf_counter) -> TransferObservation:
     """Start measuring the serving of one pull; ``trace_context`` is the receiver's (may be "")."""
     span = tracer().start_span("kv.send", context=context_from(trace_context), kind=SpanKind.SERVER,
                                attributes=_attributes(transport, transfer_id, num_blocks))

@@ -10,7 +10,8 @@ sends have completed. The receiver gets corrupted KV; with ``verify_checksum`` i
 from __future__ import annotations
 
 import logging
-import os
+
+from splitserve.env import env_str
 
 logger = logging.getLogger(__name__)
 
@@ -23,7 +24,7 @@ def sender_fault_options(env: dict[str, str] | None = None) -> dict[str, bool]:
     Raises:
         ValueError: an unknown fault name.
     """
-    value = (os.environ if env is None else env).get("PD_KV_FAULTS", "")
+    value = env_str("PD_KV_FAULTS", "", env)
     names = {n.strip() for n in value.split(",") if n.strip()}
     unknown = names - set(KNOWN)
     if unknown:

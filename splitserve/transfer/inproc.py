@@ -147,19 +147,19 @@ class InprocKVReceiver(KVReceiver):
     def _copy(self, endpoint: str, transfer_id: str, segments) -> int:
         with _registry_lock:
             sender = _registry.get(endpoint)
-        if sender is None or sender._closed:  # noqa: SLF001 - same module
+        if sender is None or sender._closed:  # same module
             raise KVTransferError(f"no inproc KV sender at {endpoint}")
-        if sender._block_nbytes != self._block_nbytes or sender._digest != self._digest:  # noqa: SLF001
+        if sender._block_nbytes != self._block_nbytes or sender._digest != self._digest:
             raise KVLayoutMismatch(f"KV layout mismatch with sender {endpoint}: remote [{sender._layout.describe()}]")
-        status, reg, detail = sender._table.claim(transfer_id, [(s, n) for s, _d, n in segments])  # noqa: SLF001
+        status, reg, detail = sender._table.claim(transfer_id, [(s, n) for s, _d, n in segments])
         if status is Status.NOT_FOUND:
             raise TransferNotFound(detail)
         if status is not Status.OK:
             raise TransferRefused(f"KV sender {endpoint} refused transfer {transfer_id!r}: {detail}")
         bn = self._block_nbytes
-        src_bytes = sender._bytes  # noqa: SLF001
+        src_bytes = sender._bytes
         expected = segments_checksum(src_bytes.numpy(), [(s, n) for s, _d, n in segments], bn) if self._verify else None
-        flipped = segments[0][0] * bn if sender._corrupt_sends else None  # noqa: SLF001 - fault injection
+        flipped = segments[0][0] * bn if sender._corrupt_sends else None  # fault injection
         ok = False
         obs = start_send("inproc", transfer_id, sum(n for _s, _d, n in segments))  # child of the caller's span
         try:

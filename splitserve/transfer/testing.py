@@ -54,14 +54,14 @@ def block_bytes(kv_cache: torch.Tensor, block_id: int) -> torch.Tensor:
 
 def _child_main(conn, layout_fields: dict, num_blocks: int, salt: int, env: dict, kind: str, options: dict) -> None:
     os.environ.update(env)
-    from splitserve.transfer.ucx_runtime import apply_ucx_env_defaults  # noqa: PLC0415
+    from splitserve.transfer.ucx_runtime import apply_ucx_env_defaults
 
     apply_ucx_env_defaults()
     asyncio.run(_child_async(conn, KVLayout(**layout_fields), num_blocks, salt, kind, options))
 
 
 async def _child_async(conn, layout: KVLayout, num_blocks: int, salt: int, kind: str, options: dict) -> None:
-    from splitserve.transfer import create_sender  # noqa: PLC0415
+    from splitserve.transfer import create_sender
 
     pool = allocate_kv_cache(layout, num_blocks)
     fill_pattern(pool, salt)
@@ -81,7 +81,7 @@ async def _child_async(conn, layout: KVLayout, num_blocks: int, salt: int, kind:
                 try:
                     sender.register(tid, blocks, lambda t, ok: events.append((t, ok)))
                     conn.send(("ok", None))
-                except Exception as exc:  # noqa: BLE001 - reported to the parent
+                except Exception as exc:  # reported to the parent
                     conn.send(("error", repr(exc)))
             elif cmd == "unregister":
                 conn.send(("ok", sender.unregister(args)))

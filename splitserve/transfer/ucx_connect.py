@@ -45,12 +45,12 @@ async def create_endpoint(host: str, port: int, timeout_s: float):
     """A connected ``ucxx`` Endpoint with error handling on. Raises ``TimeoutError`` when the peer does not
     complete the handshake within ``timeout_s``, ``ConnectionError`` or a UCX error when it fails; either
     way nothing stays posted. UCX must be initialised (``ucx_runtime.acquire``) on the running loop."""
-    import ucxx._lib.libucxx as ucx_api  # noqa: PLC0415 - lazy: importing ucxx loads UCX
-    from ucxx import core  # noqa: PLC0415
+    import ucxx._lib.libucxx as ucx_api  # lazy: importing ucxx loads UCX
+    from ucxx import core
 
     deadline = asyncio.get_running_loop().time() + timeout_s
     ip = await resolve(host, port)
-    ctx = core._get_ctx()  # noqa: SLF001 - what ucxx.create_endpoint uses
+    ctx = core._get_ctx()  # what ucxx.create_endpoint uses
     ctx.continuous_ucx_progress()
     uep = ucx_api.UCXEndpoint.create(ctx.worker, ip, port, True)
     return await _handshake(ctx, uep, f"{ip}:{port}", deadline, listener=False)
@@ -59,16 +59,16 @@ async def create_endpoint(host: str, port: int, timeout_s: float):
 async def accept_endpoint(uep, timeout_s: float):
     """The ``ucxx`` Endpoint of a connection request a listener delivered (``uep``, a ``UCXEndpoint``), after
     the handshake with the connecting side; raises like :func:`create_endpoint`."""
-    from ucxx import core  # noqa: PLC0415
+    from ucxx import core
 
     deadline = asyncio.get_running_loop().time() + timeout_s
-    return await _handshake(core._get_ctx(), uep, f"client {uep.handle:#x}", deadline, listener=True)  # noqa: SLF001
+    return await _handshake(core._get_ctx(), uep, f"client {uep.handle:#x}", deadline, listener=True)
 
 
 async def _handshake(ctx, uep, peer: str, deadline: float, *, listener: bool):
-    from ucxx._lib.arr import Array  # noqa: PLC0415
-    from ucxx._lib_async.endpoint import Endpoint  # noqa: PLC0415
-    from ucxx._lib_async.utils import hash64bits  # noqa: PLC0415
+    from ucxx._lib.arr import Array
+    from ucxx._lib_async.endpoint import Endpoint
+    from ucxx._lib_async.utils import hash64bits
 
     loop = asyncio.get_running_loop()
     my_tag = hash64bits("msg_tag", os.urandom(16), uep.handle)

@@ -62,8 +62,8 @@ class UcxServer:
 
     async def start(self) -> None:
         """Initialise UCX (on this loop) and listen. Raises if the port cannot be bound."""
-        import ucxx._lib.libucxx as ucx_api  # noqa: PLC0415 - lazy: importing ucxx loads UCX
-        from ucxx import core  # noqa: PLC0415
+        import ucxx._lib.libucxx as ucx_api  # lazy: importing ucxx loads UCX
+        from ucxx import core
 
         if self._listener is not None:
             return
@@ -72,7 +72,7 @@ class UcxServer:
         ucx_runtime.acquire()
         self._acquired = True
         try:
-            ctx = core._get_ctx()  # noqa: SLF001 - the context ucxx.create_listener uses
+            ctx = core._get_ctx()  # the context ucxx.create_listener uses
             ctx.continuous_ucx_progress()
             self._listener = ucx_api.UCXListener.create(
                 worker=ctx.worker, port=self._port, cb_func=_on_connection_request,
@@ -185,8 +185,8 @@ def _on_connection_request(uep, loop: asyncio.AbstractEventLoop, server_ref) -> 
     server = server_ref()
     if server is None or loop.is_closed():
         return
-    server._submitted(1)  # noqa: SLF001
+    server._submitted(1)
     try:
-        asyncio.run_coroutine_threadsafe(server._accept(uep), loop)  # noqa: SLF001
+        asyncio.run_coroutine_threadsafe(server._accept(uep), loop)
     except RuntimeError:  # the loop is shutting down
-        server._submitted(-1)  # noqa: SLF001
+        server._submitted(-1)

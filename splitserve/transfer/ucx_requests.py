@@ -46,9 +46,9 @@ def connection_tag(ep, tag: int, *, outgoing: bool) -> int:
     """The wire tag that ucxx's ``Endpoint.send``/``recv`` (without ``force_tag``) use for ``tag``: hashed
     with the tag this connection agreed at connect time, so ``tag`` need only be unique per connection
     (UCX itself matches tags across the whole worker)."""
-    from ucxx._lib_async.utils import hash64bits  # noqa: PLC0415
+    from ucxx._lib_async.utils import hash64bits
 
-    return hash64bits(ep._tags["msg_send" if outgoing else "msg_recv"], hash(tag))  # noqa: SLF001
+    return hash64bits(ep._tags["msg_send" if outgoing else "msg_recv"], hash(tag))
 
 
 class Posted:
@@ -65,7 +65,7 @@ class Posted:
     # up before every post, on the loop thread (a cheap no-op while it is full enough).
 
     def __init__(self, ep) -> None:
-        from ucxx._lib.libucxx import UCXCloseError  # noqa: PLC0415
+        from ucxx._lib.libucxx import UCXCloseError
 
         uep = getattr(ep, "_ep", None)
         ctx = getattr(ep, "_ctx", None)
@@ -89,8 +89,8 @@ class Posted:
 
     def recv(self, buf, tag: int) -> asyncio.Future:
         """Post a tag receive of exactly ``buf`` (a writable buffer) on ``tag`` (matched in full)."""
-        from ucxx._lib.arr import Array  # noqa: PLC0415
-        from ucxx.types import Tag, TagMaskFull  # noqa: PLC0415
+        from ucxx._lib.arr import Array
+        from ucxx.types import Tag, TagMaskFull
 
         arr = Array(buf)
         self._worker.populate_python_futures_pool()
@@ -98,8 +98,8 @@ class Posted:
 
     def send(self, buf, tag: int) -> asyncio.Future:
         """Post a tag send of ``buf`` on ``tag``."""
-        from ucxx._lib.arr import Array  # noqa: PLC0415
-        from ucxx.types import Tag  # noqa: PLC0415
+        from ucxx._lib.arr import Array
+        from ucxx.types import Tag
 
         arr = Array(buf)
         self._worker.populate_python_futures_pool()
@@ -107,7 +107,7 @@ class Posted:
 
     def am_send(self, buf) -> asyncio.Future:
         """Post an active message (the peer receives it with ``Endpoint.am_recv``)."""
-        from ucxx._lib.arr import Array  # noqa: PLC0415
+        from ucxx._lib.arr import Array
 
         arr = Array(buf)
         self._worker.populate_python_futures_pool()
@@ -122,7 +122,7 @@ class Posted:
                 if not fut.cancelled() and fut.exception() is not None:
                     return fut.exception()
                 req.check_error()
-            except Exception as exc:  # noqa: BLE001 - returned to the caller
+            except Exception as exc:  # returned to the caller
                 return exc
         return None
 

@@ -63,15 +63,15 @@ def apply_ucx_env_defaults(env: MutableMapping[str, str] | None = None) -> Mutab
 
 
 def _ucxx():
-    import ucxx  # noqa: PLC0415 - deferred: importing ucxx sets UCX variables in os.environ
+    import ucxx  # deferred: importing ucxx sets UCX variables in os.environ
 
     return ucxx
 
 
 def _ctx_exists() -> bool:
-    from ucxx import core  # noqa: PLC0415
+    from ucxx import core
 
-    return core._ctx is not None  # noqa: SLF001 - ucxx has no public "is initialised" query
+    return core._ctx is not None  # ucxx has no public "is initialised" query
 
 
 def acquire() -> None:
@@ -121,9 +121,9 @@ def release() -> None:
 def _stop_notifier() -> None:
     """``ucxx.stop_notifier_thread()``, but without waiting up to 1 s for the thread's next wake-up: the
     worker's request notifier is told to shut down first, so the thread exits at once."""
-    from ucxx import core  # noqa: PLC0415
+    from ucxx import core
 
-    ctx = core._ctx  # noqa: SLF001
+    ctx = core._ctx
     running = ctx is not None and getattr(ctx, "notifier_thread", None) is not None
     if running:
         _signal_notifier(ctx)

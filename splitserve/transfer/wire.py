@@ -86,7 +86,8 @@ def encode_fetch(req: FetchRequest) -> bytearray:
         flat.byteswap()
     out = bytearray(
         _FETCH_HDR.pack(
-            FETCH_MAGIC, KIND_FETCH, flags | (req.flags & FLAG_CHECKSUM), req.tag_base, req.block_nbytes, req.layout_digest, len(req.runs), len(tid), 0
+            FETCH_MAGIC, KIND_FETCH, flags | (req.flags & FLAG_CHECKSUM), req.tag_base, req.block_nbytes, req.layout_digest, len(req.runs),
+            len(tid), 0
         )
     )
     out += tid

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import dataclass
 
+from splitserve.env import EnvError, env_bool, env_float, env_int, env_str
 from splitserve.config_checks import check_port
 from splitserve.paths import default_model_path
 from splitserve.rpc.keepalive import KeepaliveConfig, add_keepalive_args, keepalive_config
@@ -69,32 +69,41 @@ def _optional_float(value: str | None) -> float | None:
     return float(value) if value not in (None, "", "0", "0.0", "none") else None
 
 
+def _optional_float_env(name: str, default: str | None) -> float | None:
+    """``name`` (or ``default``) as :func:`_optional_float` reads it; raises EnvError on a non-number."""
+    value = env_str(name, default)
+    try:
+        return _optional_float(value)
+    except ValueError:
+        raise EnvError(name, value, "a number of seconds (0 or none: off)") from None
+
+
 def parse(argv: list[str] | None = None) -> RouterConfig:
-    env = os.environ.get
     ap = argparse.ArgumentParser(prog="splitserve router", description="Run the router (OpenAI HTTP + gRPC front door).")
-    ap.add_argument("--model", default=env("PD_MODEL", str(default_model_path())), help="model folder/file (tokenizer, chat template)")
-    ap.add_argument("--served-model-name", default=env("PD_SERVED_MODEL_NAME"))
-    ap.add_argument("--prefill", type=_addresses, default=_addresses(env("PD_PREFILL_ADDRS", "127.0.0.1:50061")), help="comma-separated host:port")
-    ap.add_argument("--decode", type=_addresses, default=_addresses(env("PD_DECODE_ADDRS", "127.0.0.1:50071")), help="comma-separated host:port")
-    ap.add_argument("--host", default=env("PD_HOST", "127.0.0.1"))
-    ap.add_argument("--http-port", type=int, default=int(env("PD_HTTP_PORT", "8000")))
-    ap.add_argument("--grpc-port", type=int, default=int(env("PD_GRPC_PORT", "50050")))
-    ap.add_argument("--prefill-timeout-s", type=float, default=float(env("PD_PREFILL_TIMEOUT_S", "60")))
-    ap.add_argument("--policy", default=env("PD_ROUTING_POLICY", "round_robin"), help="round_robin | least_loaded | prefix_aware")
-    ap.add_argument("--disagg", default=env("PD_DISAGG", "always"),
+    ap.add_argument("--model", default=env_str("PD_MODEL", str(default_model_path())), help="model folder/file (tokenizer, chat template)")
+    ap.add_argument("--served-model-name", default=env_str("PD_SERVED_MODEL_NAME"))
+    ap.add_argument("--prefill", type=_addresses, default=_addresses(env_str("PD_PREFILL_ADDRS", "127.0.0.1:50061")),
+                    help="comma-separated host:port")
+    ap.add_argument("--decode", type=_addresses, default=_addresses(env_str("PD_DECODE_ADDRS", "127.0.0.1:50071")), help="comma-separated host:port")
+    ap.add_argument("--host", default=env_str("PD_HOST", "127.0.0.1"))
+    ap.add_argument("--http-port", type=int, default=env_int("PD_HTTP_PORT", 8000))
+    ap.add_argument("--grpc-port", type=int, default=env_int("PD_GRPC_PORT", 50050))
+    ap.add_argument("--prefill-timeout-s", type=float, default=env_float("PD_PREFILL_TIMEOUT_S", 60.0))
+    ap.add_argument("--policy", default=env_str("PD_ROUTING_POLICY", "round_robin"), help="round_robin | least_loaded | prefix_aware")
+    ap.add_argument("--disagg", default=env_str("PD_DISAGG", "always"),
                     help="always (remote prefill), auto (measured cost model), or N: prefill prompts with < N uncached tokens on the decode worker")
-    ap.add_argument("--poll-interval-s", type=float, default=float(env("PD_POLL_INTERVAL_S", "1.0")), help="worker heartbeat period")
-    ap.add_argument("--miss-limit", type=int, default=int(env("PD_MISS_LIMIT", "2")), help="missed heartbeats before a worker is marked down")
-    ap.add_argument("--prefill-attempts", type=int, default=int(env("PD_PREFILL_ATTEMPTS", "2")))
-    ap.add_argument("--decode-attempts", type=int, default=int(env("PD_DECODE_ATTEMPTS", "2")))
+    ap.add_argument("--poll-interval-s", type=float, default=env_float("PD_POLL_INTERVAL_S", 1.0), help="worker heartbeat period")
+    ap.add_argument("--miss-limit", type=int, default=env_int("PD_MISS_LIMIT", 2), help="missed heartbeats before a worker is marked down")
+    ap.add_argument("--prefill-attempts", type=int, default=env_int("PD_PREFILL_ATTEMPTS", 2))
+    ap.add_argument("--decode-attempts", type=int, default=env_int("PD_DECODE_ATTEMPTS", 2))
     ap.add_argument("--local-prefill-fallback", action=argparse.BooleanOptionalAction,
-                    default=env("PD_LOCAL_PREFILL_FALLBACK", "1").lower() in ("1", "true", "yes", "on"),
+                    default=env_bool("PD_LOCAL_PREFILL_FALLBACK", True),
                     help="when no prefill worker succeeds, let the decode worker prefill")
-    ap.add_argument("--request-timeout-s", type=_optional_float, default=_optional_float(env("PD_REQUEST_TIMEOUT_S")),
+    ap.add_argument("--request-timeout-s", type=_optional_float, default=_optional_float_env("PD_REQUEST_TIMEOUT_S", None),
                     help="deadline of each HTTP request (0 or unset: none)")
-    ap.add_argument("--api-key", default=env("PD_API_KEY") or None,
+    ap.add_argument("--api-key", default=env_str("PD_API_KEY"),
                     help="require Authorization: Bearer <key> on the HTTP API and RouterService (prefer PD_API_KEY)")
-    ap.add_argument("--decode-stall-timeout-s", type=_optional_float, default=_optional_float(env("PD_DECODE_STALL_TIMEOUT_S", "60")),
+    ap.add_argument("--decode-stall-timeout-s", type=_optional_float, default=_optional_float_env("PD_DECODE_STALL_TIMEOUT_S", "60"),
                     help="a decode stream with no message for this long fails (failover before its first token); 0: off")
     add_tls_args(ap)
     add_keepalive_args(ap)

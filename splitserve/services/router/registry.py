@@ -130,7 +130,8 @@ class WorkerRegistry:
 
     def _set(self, w: WorkerState, up: bool, error: str = "") -> None:
         if up != w.up:
-            logger.log(logging.INFO if up else logging.WARNING, "%s worker %s is %s%s", w.role, w.address, "up" if up else "DOWN", f" ({error})" if error else "")
+            logger.log(logging.INFO if up else logging.WARNING, "%s worker %s is %s%s", w.role, w.address, "up" if up else "DOWN",
+                       f" ({error})" if error else "")
             self._changed.set()
         w.up = up
         ROUTER_WORKER_UP.labels(w.role, w.address).set(1 if up else 0)

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import dataclass
 
+from splitserve.env import env_float, env_int, env_str
 from splitserve.rpc.tls import TlsConfig, add_tls_args, tls_config
 from splitserve.config_checks import check_port
 from splitserve.telemetry.exposition import check_metrics_port
@@ -65,20 +65,19 @@ class MasterConfig:
 
 
 def parse(argv: list[str] | None = None) -> MasterConfig:
-    env = os.environ.get
     d = MasterConfig()
     ap = argparse.ArgumentParser(prog="splitserve kvstore-master", description="Run the KV store metadata master.")
-    ap.add_argument("--host", default=env("PD_HOST", d.host))
-    ap.add_argument("--port", type=int, default=int(env("PD_KVSTORE_MASTER_PORT", str(d.port))))
-    ap.add_argument("--replicas", type=int, default=int(env("PD_KVSTORE_REPLICAS", str(d.default_replicas))),
+    ap.add_argument("--host", default=env_str("PD_HOST", d.host))
+    ap.add_argument("--port", type=int, default=env_int("PD_KVSTORE_MASTER_PORT", d.port))
+    ap.add_argument("--replicas", type=int, default=env_int("PD_KVSTORE_REPLICAS", d.default_replicas),
                     help="default copies per object, on distinct storage nodes")
-    ap.add_argument("--lease-s", type=float, default=float(env("PD_KVSTORE_LEASE_S", str(d.lease_s))))
-    ap.add_argument("--put-timeout-s", type=float, default=float(env("PD_KVSTORE_PUT_TIMEOUT_S", str(d.put_timeout_s))))
-    ap.add_argument("--heartbeat-interval-s", type=float, default=float(env("PD_KVSTORE_HEARTBEAT_INTERVAL_S", str(d.heartbeat_interval_s))))
-    ap.add_argument("--heartbeat-timeout-s", type=float, default=float(env("PD_KVSTORE_HEARTBEAT_TIMEOUT_S", str(d.heartbeat_timeout_s))))
-    ap.add_argument("--evict-high", type=float, default=float(env("PD_KVSTORE_EVICT_HIGH", str(d.evict_high))))
-    ap.add_argument("--evict-low", type=float, default=float(env("PD_KVSTORE_EVICT_LOW", str(d.evict_low))))
-    ap.add_argument("--metrics-port", type=int, default=int(env("PD_METRICS_PORT", "0")), help="HTTP /metrics port; 0 = any free, -1 = off")
+    ap.add_argument("--lease-s", type=float, default=env_float("PD_KVSTORE_LEASE_S", d.lease_s))
+    ap.add_argument("--put-timeout-s", type=float, default=env_float("PD_KVSTORE_PUT_TIMEOUT_S", d.put_timeout_s))
+    ap.add_argument("--heartbeat-interval-s", type=float, default=env_float("PD_KVSTORE_HEARTBEAT_INTERVAL_S", d.heartbeat_interval_s))
+    ap.add_argument("--heartbeat-timeout-s", type=float, default=env_float("PD_KVSTORE_HEARTBEAT_TIMEOUT_S", d.heartbeat_timeout_s))
+    ap.add_argument("--evict-high", type=float, default=env_float("PD_KVSTORE_EVICT_HIGH", d.evict_high))
+    ap.add_argument("--evict-low", type=float, default=env_float("PD_KVSTORE_EVICT_LOW", d.evict_low))
+    ap.add_argument("--metrics-port", type=int, default=env_int("PD_METRICS_PORT", 0), help="HTTP /metrics port; 0 = any free, -1 = off")
     add_tls_args(ap)
     add_keepalive_args(ap)
     a = ap.parse_args(argv)

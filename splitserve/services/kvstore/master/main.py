@@ -36,7 +36,8 @@ async def serve(config: MasterConfig) -> None:
     await set_serving(health, [SERVICE])
     logger.info(
         "kvstore master ready: grpc %s:%d%s, %d replica(s), lease %.1fs, put timeout %.1fs, heartbeat timeout %.1fs, metrics %s",
-        config.host, port, " (tls)" if config.tls.enabled else "", config.default_replicas, config.lease_s, config.put_timeout_s, config.heartbeat_timeout_s,
+        config.host, port, " (tls)" if config.tls.enabled else "", config.default_replicas, config.lease_s, config.put_timeout_s,
+        config.heartbeat_timeout_s,
         metrics.url if metrics else "off",
     )
     stop = stop_event_on_signals()

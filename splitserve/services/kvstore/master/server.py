@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import grpc
 from pd.v1 import common_pb2, kvstore_pb2 as kv, kvstore_pb2_grpc
 
 from splitserve.errors import InvalidRequest, PdError
@@ -78,7 +77,8 @@ class KVStoreMasterServicer(kvstore_pb2_grpc.KVStoreMasterServiceServicer):
 
     # ---------------------------------------------------------------- single-object calls
     async def PutStart(self, request, context):
-        return await self._call(context, lambda: _put_result(request.key, self.master.put_start(request.key, request.size, request.replicas)), request)
+        return await self._call(context, lambda: _put_result(request.key, self.master.put_start(request.key, request.size, request.replicas)),
+                                request)
 
     async def PutEnd(self, request, context):
         def run():

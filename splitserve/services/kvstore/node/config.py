@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import os
 import uuid
 from dataclasses import dataclass
 
+from splitserve.env import env_float, env_int, env_str
 from splitserve.rpc.tls import TlsConfig, add_tls_args, tls_config
 from splitserve.config_checks import check_port
 from splitserve.telemetry.exposition import check_metrics_port
@@ -53,17 +53,16 @@ class NodeConfig:
 
 
 def parse(argv: list[str] | None = None) -> NodeConfig:
-    env = os.environ.get
     ap = argparse.ArgumentParser(prog="splitserve kvstore-node", description="Run a KV store storage node.")
-    ap.add_argument("--master", default=env("PD_KVSTORE_MASTER", "127.0.0.1:50090"), help="master gRPC host:port")
-    ap.add_argument("--node-id", default=env("PD_KVSTORE_NODE_ID") or f"node-{uuid.uuid4().hex[:8]}")
-    ap.add_argument("--segment-mb", type=int, default=int(env("PD_KVSTORE_SEGMENT_MB", "256")))
-    ap.add_argument("--host", default=env("PD_HOST", "127.0.0.1"))
-    ap.add_argument("--port", type=int, default=int(env("PD_KVSTORE_NODE_PORT", "50091")))
-    ap.add_argument("--data-host", default=env("PD_DATA_HOST", "127.0.0.1"))
-    ap.add_argument("--data-port", type=int, default=int(env("PD_KVSTORE_DATA_PORT", "0")))
-    ap.add_argument("--io-timeout-s", type=float, default=float(env("PD_KVSTORE_NODE_IO_TIMEOUT_S", "30")))
-    ap.add_argument("--metrics-port", type=int, default=int(env("PD_METRICS_PORT", "0")), help="HTTP /metrics port; 0 = any free, -1 = off")
+    ap.add_argument("--master", default=env_str("PD_KVSTORE_MASTER", "127.0.0.1:50090"), help="master gRPC host:port")
+    ap.add_argument("--node-id", default=env_str("PD_KVSTORE_NODE_ID") or f"node-{uuid.uuid4().hex[:8]}")
+    ap.add_argument("--segment-mb", type=int, default=env_int("PD_KVSTORE_SEGMENT_MB", 256))
+    ap.add_argument("--host", default=env_str("PD_HOST", "127.0.0.1"))
+    ap.add_argument("--port", type=int, default=env_int("PD_KVSTORE_NODE_PORT", 50091))
+    ap.add_argument("--data-host", default=env_str("PD_DATA_HOST", "127.0.0.1"))
+    ap.add_argument("--data-port", type=int, default=env_int("PD_KVSTORE_DATA_PORT", 0))
+    ap.add_argument("--io-timeout-s", type=float, default=env_float("PD_KVSTORE_NODE_IO_TIMEOUT_S", 30.0))
+    ap.add_argument("--metrics-port", type=int, default=env_int("PD_METRICS_PORT", 0), help="HTTP /metrics port; 0 = any free, -1 = off")
     add_tls_args(ap)
     add_keepalive_args(ap)
     a = ap.parse_args(argv)

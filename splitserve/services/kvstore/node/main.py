@@ -19,8 +19,8 @@ SERVICE = kvstore_pb2.DESCRIPTOR.services_by_name["KVStoreNodeService"].full_nam
 
 
 async def serve(config: NodeConfig) -> None:
-    from splitserve.telemetry.exposition import start_metrics_server  # noqa: PLC0415
-    from splitserve.telemetry.stats_collector import register_stats  # noqa: PLC0415
+    from splitserve.telemetry.exposition import start_metrics_server
+    from splitserve.telemetry.stats_collector import register_stats
 
     keepalive.configure(config.keepalive)
     segment = SegmentServer(config.segment_mb * 2**20, host=config.data_host, port=config.data_port, io_timeout_s=config.io_timeout_s)

@@ -1,0 +1,155 @@
+"""`splitserve up` settings: :class:`UpConfig` (one frozen dataclass, validated in ``__post_init__``) and
+:func:`parse`, which builds it from CLI flags with PD_* environment defaults.
+
+The launcher (:func:`splitserve.launcher.up_cluster`) turns it into processes; each process's own settings are
+checked by that process's config afterwards (``splitserve up`` does it before starting any).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+from splitserve.env import env_choice, env_float, env_int, env_str
+from splitserve.paths import default_model_path
+from splitserve.rpc.shutdown import DEFAULT_GRACE_S
+from splitserve.rpc.tls import TlsConfig, add_tls_args, tls_config
+
+TRANSPORTS = ("ucx",)
+TRANSFER_MODES = ("direct", "store")
+POLICIES = ("round_robin", "least_loaded", "prefix_aware")
+DEFAULT_OTLP_ENDPOINT = "http://127.0.0.1:4317"
+
+
+@dataclass(frozen=True, slots=True)
+class UpConfig:
+    """Attributes:
+
+    model: HF folder, ``.gguf`` file or ``synthetic:<name>``, for every process.
+    num_prefill, num_decode: worker processes of each role (>= 1).
+    host: address every process listens on. http_port, grpc_port: the router's (0: any free port).
+    transport, block_size, kv_cache_mb, kv_transfer_mode: passed to every worker (block_size in tokens, MiB).
+    store_nodes: KV store storage nodes (0: no store, no master). store_mb: segment per node, MiB.
+    store_replicas: copies per object, on distinct nodes (<= store_nodes).
+    policy, disagg: the router's worker selection and its disaggregation rule (checked by the router's config).
+    shutdown_grace_s: on Ctrl-C/SIGTERM, in-flight requests may finish within this many seconds.
+    otlp_endpoint: where every process exports OpenTelemetry traces; None: tracing as the environment says.
+    tls: one TLS configuration for every gRPC server and channel of the cluster (store included).
+
+    Raises:
+        ValueError: a value out of range or settings that contradict each other; the message names the flag.
+    """
+
+    model: str
+    num_prefill: int = 1
+    num_decode: int = 1
+    host: str = "127.0.0.1"
+    http_port: int = 8000
+    grpc_port: int = 50050
+    transport: str = "ucx"
+    block_size: int = 16
+    kv_cache_mb: int = 256
+    kv_transfer_mode: str = "direct"
+    store_nodes: int = 1
+    store_mb: int = 256
+    store_replicas: int = 1
+    policy: str = "round_robin"
+    disagg: str = "always"
+    shutdown_grace_s: float = DEFAULT_GRACE_S
+    otlp_endpoint: str | None = None
+    tls: TlsConfig = TlsConfig()
+
+    def __post_init__(self) -> None:
+        if self.num_prefill < 1 or self.num_decode < 1:
+            raise ValueError(f"--prefill and --decode: need at least one prefill and one decode worker, "
+                             f"got {self.num_prefill} and {self.num_decode}")
+        if self.store_nodes < 0:
+            raise ValueError(f"--store-nodes must be >= 0, got {self.store_nodes}")
+        if self.kv_transfer_mode == "store" and not self.store_nodes:
+            raise ValueError("--kv-transfer-mode store needs the KV store (drop --no-store, --store-nodes >= 1)")
+        if self.store_nodes and self.store_replicas > self.store_nodes:
+            raise ValueError(f"--store-replicas {self.store_replicas} needs at least as many storage nodes "
+                             f"(--store-nodes {self.store_nodes})")
+        if self.http_port and self.http_port == self.grpc_port:
+            raise ValueError(f"--http-port and --grpc-port must differ, both are {self.http_port}")
+        if not self.shutdown_grace_s >= 0:
+            raise ValueError(f"--shutdown-grace-s must be >= 0, got {self.shutdown_grace_s}")
+        if self.tls.enabled and not self.tls.cert_file:
+            raise ValueError("TLS: the cluster's gRPC servers need --tls-cert and --tls-key (PD_TLS_CERT, PD_TLS_KEY)")
+
+    def worker_args(self) -> list[str]:
+        """Flags every prefill and decode worker gets."""
+        return ["--transport", self.transport, "--block-size", str(self.block_size), "--kv-cache-mb",
+                str(self.kv_cache_mb), "--kv-transfer-mode", self.kv_transfer_mode]
+
+    def trace_env(self) -> dict[str, str]:
+        """OTEL_* variables that make every child export traces to ``otlp_endpoint`` (none when it is None)."""
+        if self.otlp_endpoint is None:
+            return {}
+        return {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_ENDPOINT": self.otlp_endpoint}
+
+    def child_env(self) -> dict[str, str]:
+        """The environment every child process gets on top of the launcher's: tracing, TLS, shutdown grace."""
+        return {**self.trace_env(), **tls_env(self.tls), "PD_SHUTDOWN_GRACE_S": str(self.shutdown_grace_s)}
+
+
+def tls_env(tls: TlsConfig) -> dict[str, str]:
+    """PD_TLS_* variables that give every child process of `splitserve up` the same TLS configuration."""
+    env = {}
+    for name, path in (("PD_TLS_CERT", tls.cert_file), ("PD_TLS_KEY", tls.key_file), ("PD_TLS_CA", tls.ca_file)):
+        if path:
+            env[name] = os.path.abspath(path)
+    if tls.client_auth:
+        env["PD_TLS_CLIENT_AUTH"] = "1"
+    if tls.server_name:
+        env["PD_TLS_SERVER_NAME"] = tls.server_name
+    return env
+
+
+def parse(argv: list[str] | None = None) -> UpConfig:
+    """``splitserve up`` flags → :class:`UpConfig`.
+
+    Raises:
+        ValueError: a value :class:`UpConfig` or TLS refuses; :class:`~splitserve.env.EnvError` for a bad PD_* value.
+        SystemExit: argparse's usage errors (2) and ``--help`` (0).
+    """
+    ap = argparse.ArgumentParser(prog="splitserve up", description="Start a local disaggregated cluster.")
+    ap.add_argument("--model", default=env_str("PD_MODEL", str(default_model_path())))
+    ap.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
+    ap.add_argument("--decode", type=int, default=1, help="number of decode workers")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--http-port", type=int, default=env_int("PD_HTTP_PORT", 8000))
+    ap.add_argument("--grpc-port", type=int, default=env_int("PD_GRPC_PORT", 50050))
+    ap.add_argument("--transport", default=env_choice("PD_KV_TRANSPORT", TRANSPORTS, "ucx"), choices=TRANSPORTS)
+    ap.add_argument("--block-size", type=int, default=env_int("PD_BLOCK_SIZE", 16))
+    ap.add_argument("--kv-cache-mb", type=int, default=env_int("PD_KV_CACHE_MB", 256))
+    ap.add_argument("--store-nodes", type=int, default=env_int("PD_KVSTORE_NODES", 1),
+                    help="KV store storage nodes (with a master); prefix blocks are reused across requests")
+    ap.add_argument("--no-store", action="store_true", help="run without the KV store (no master, no storage nodes)")
+    ap.add_argument("--store-mb", type=int, default=env_int("PD_KVSTORE_SEGMENT_MB", 256), help="memory segment per storage node, MiB")
+    ap.add_argument("--store-replicas", type=int, default=env_int("PD_KVSTORE_REPLICAS", 1), help="copies per object on distinct nodes")
+    ap.add_argument("--kv-transfer-mode", default=env_choice("PD_KV_TRANSFER_MODE", TRANSFER_MODES, "direct"), choices=TRANSFER_MODES,
+                    help="direct: decode pulls KV from prefill over UCX; store: through the KV store")
+    ap.add_argument("--policy", default=env_choice("PD_ROUTING_POLICY", POLICIES, "round_robin"), choices=POLICIES,
+                    help="router's worker selection policy")
+    ap.add_argument("--disagg", default=env_str("PD_DISAGG", "always"),
+                    help="always | auto | N: prompts with < N uncached tokens are prefilled on the decode worker")
+    ap.add_argument("--shutdown-grace-s", type=float, default=env_float("PD_SHUTDOWN_GRACE_S", DEFAULT_GRACE_S),
+                    help="Ctrl-C/SIGTERM: in-flight requests may finish within this many seconds (0: stop at once; "
+                         "a second Ctrl-C stops at once too)")
+    ap.add_argument("--trace", action="store_true", help="every process exports OpenTelemetry traces over OTLP")
+    ap.add_argument("--otlp-endpoint", help="OTLP endpoint for --trace (implies it); default $OTEL_EXPORTER_OTLP_ENDPOINT "
+                    f"or {DEFAULT_OTLP_ENDPOINT} (e.g. Jaeger all-in-one)")
+    add_tls_args(ap)
+    a = ap.parse_args(argv)
+    otlp = None
+    if a.trace or a.otlp_endpoint:
+        otlp = a.otlp_endpoint or env_str("OTEL_EXPORTER_OTLP_ENDPOINT", DEFAULT_OTLP_ENDPOINT)
+    return UpConfig(
+        model=a.model, num_prefill=a.prefill, num_decode=a.decode, host=a.host, http_port=a.http_port,
+        grpc_port=a.grpc_port, transport=a.transport, block_size=a.block_size, kv_cache_mb=a.kv_cache_mb,
+        kv_transfer_mode=a.kv_transfer_mode, store_nodes=0 if a.no_store else a.store_nodes, store_mb=a.store_mb,
+        store_replicas=a.store_replicas, policy=a.policy, disagg=a.disagg, shutdown_grace_s=a.shutdown_grace_s,
+        otlp_endpoint=otlp, tls=tls_config(a),
+    )
