@@ -18,7 +18,7 @@ from splitserve.engine.async_engine import AsyncEngine, set_torch_threads
 from splitserve.frontend.draining import DrainMiddleware
 from splitserve.frontend.grpc_api import RouterServicer
 from splitserve.frontend.http_app import build_app
-from splitserve.frontend.http_server import http_server
+from splitserve.frontend.http_server import HttpLimits, http_server
 from splitserve.logs import setup_logging
 from splitserve.model import load_model
 from splitserve.rpc import keepalive
@@ -51,7 +51,7 @@ async def serve(args: argparse.Namespace) -> None:
     register_engine(engine)
     await server.start()
     app = DrainMiddleware(instrument_app(build_app(served, backend, api_key=api_key, extra_routes=[metrics_route()])), drain)
-    http = http_server(app, args.host, args.http_port)  # read deadlines, connection cap (PD_HTTP_*)
+    http = http_server(app, args.host, args.http_port, args.http_limits)  # read deadlines, connection cap (PD_HTTP_*)
     http_task = asyncio.create_task(http.serve())
     gc.collect()  # start-up objects to the permanent generation: full collections stop walking them (gc.freeze)
     gc.freeze()
@@ -88,6 +88,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     check_grace(args.shutdown_grace_s)
     check_port("--http-port", args.http_port)
     check_port("--grpc-port", args.grpc_port)
+    args.http_limits = HttpLimits.from_env()
     return args
 
 

@@ -11,6 +11,7 @@ from splitserve.paths import default_model_path
 from splitserve.rpc.keepalive import KeepaliveConfig, add_keepalive_args, keepalive_config
 from splitserve.rpc.shutdown import DEFAULT_GRACE_S, add_shutdown_args, check_grace
 from splitserve.rpc.tls import TlsConfig, add_tls_args, tls_config
+from splitserve.frontend.http_limits import HttpLimits
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +37,7 @@ class RouterConfig:
     decode_stall_timeout_s: float | None = 60.0  # a decode stream silent this long is ended as a failed worker; None = off
     keepalive: KeepaliveConfig = KeepaliveConfig()  # gRPC PINGs: hung workers detected
     shutdown_grace_s: float = DEFAULT_GRACE_S  # SIGTERM: in-flight requests may finish within this (0: stop at once)
+    http: HttpLimits = HttpLimits()  # read deadlines and connection cap of the HTTP listener (PD_HTTP_*)
 
     def __post_init__(self) -> None:
         check_grace(self.shutdown_grace_s)
@@ -116,5 +118,5 @@ def parse(argv: list[str] | None = None) -> RouterConfig:
         prefill_attempts=a.prefill_attempts, decode_attempts=a.decode_attempts,
         local_prefill_fallback=a.local_prefill_fallback, request_timeout_s=a.request_timeout_s,
         api_key=a.api_key, tls=tls_config(a), decode_stall_timeout_s=a.decode_stall_timeout_s,
-        keepalive=keepalive_config(a), shutdown_grace_s=a.shutdown_grace_s,
+        keepalive=keepalive_config(a), shutdown_grace_s=a.shutdown_grace_s, http=HttpLimits.from_env(),
     )

@@ -41,7 +41,7 @@ async def serve(config: RouterConfig) -> None:
         served, backend, extra_routes=[metrics_route("frontend", "router"), workers_route(backend)],
         api_key=config.api_key, request_timeout_s=config.request_timeout_s,
     )), drain)
-    http = http_server(app, config.host, config.http_port)  # read deadlines, connection cap (PD_HTTP_*)
+    http = http_server(app, config.host, config.http_port, config.http)  # read deadlines, connection cap (PD_HTTP_*)
     http_task = asyncio.create_task(http.serve())
     while not http.started and not http_task.done():
         await asyncio.sleep(0.05)
