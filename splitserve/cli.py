@@ -98,6 +98,7 @@ def _child_command(argv: list[str]) -> tuple[str, list[str]]:
 
 
 def _up(argv: list[str]) -> int:
+    from splitserve.config_checks import check_port_free
     from splitserve.launcher import up_cluster
     from splitserve.logs import setup_logging
     from splitserve.up_config import parse
@@ -110,6 +111,8 @@ def _up(argv: list[str]) -> int:
                 check_settings(*_child_command(child.argv))
             except ValueError as exc:
                 raise ValueError(f"{child.name}: {exc}") from None
+        check_port_free("HTTP", config.host, http_port)  # one line now, not tracebacks after the workers started
+        check_port_free("gRPC", config.host, grpc_port)
     except ValueError as exc:
         usage_error("up", exc)
     setup_logging("up")

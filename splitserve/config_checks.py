@@ -11,3 +11,23 @@ def check_port(name: str, port: int) -> None:
     """
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
         raise ValueError(f"{name} must be a TCP port in [0, 65535] (0: any free port), got {port!r}")
+
+
+def check_port_free(what: str, host: str, port: int) -> None:
+    """Nothing listens on ``host:port`` now (0: any free port, always fine), so a launcher can refuse at once
+    instead of starting processes that then fail to bind. Not a reservation: a race stays possible.
+
+    Raises:
+        ValueError: "cannot listen on HOST:PORT (WHAT): the port is in use or the address is not local".
+    """
+    import socket
+
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers do: TIME_WAIT is no conflict
+        try:
+            sock.bind((host, port))
+        except OSError:
+            raise ValueError(f"cannot listen on {host}:{port} ({what}): the port is in use or the address is not local") from None
