@@ -70,6 +70,21 @@ def check_settings(command: str, argv: list[str]) -> None:
                              + ", ".join(SYNTHETIC_PREFIX + name for name in SYNTHETIC_CONFIGS))
     elif not Path(model).exists():
         raise ValueError(f"--model: no such file or directory: {model}")
+    else:
+        _check_model_files(Path(model))
+
+
+def _check_model_files(path: Path) -> None:
+    """What a model must have for every process to load it (reading no weights). Raises ValueError."""
+    if path.is_dir():
+        for name, why in (("config.json", "not a Hugging Face model folder"),
+                          ("tokenizer.json", "only fast tokenizers are supported")):
+            if not (path / name).is_file():
+                raise ValueError(f"--model: {path} has no {name} ({why})")
+        if not any(path.glob("*.safetensors")):
+            raise ValueError(f"--model: {path} has no *.safetensors weights")
+    elif path.suffix.lower() != ".gguf":
+        raise ValueError(f"--model: {path} is neither a model folder nor a .gguf file")
 
 
 def usage_error(command: str, message: object) -> NoReturn:

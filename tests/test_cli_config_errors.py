@@ -153,3 +153,18 @@ def test_up_on_a_busy_port_is_one_line_at_once(flag, what) -> None:
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines() == [
         f"splitserve up: error: cannot listen on 127.0.0.1:{port} ({what}): the port is in use or the address is not local"]
+
+
+@pytest.mark.integration
+def test_up_with_a_model_folder_missing_its_tokenizer_is_one_line_before_anything_starts(tmp_path) -> None:
+    import shutil
+
+    from splitserve.paths import default_model_path
+
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(default_model_path() / name, tmp_path / name)
+    proc = subprocess.run([sys.executable, "-m", "splitserve.cli", "up", "--model", str(tmp_path), "--http-port", "0",
+                           "--grpc-port", "0"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].endswith(f"--model: {tmp_path} has no tokenizer.json (only fast tokenizers are supported)")
