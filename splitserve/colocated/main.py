@@ -30,6 +30,7 @@ from splitserve.served_model import ServedModel
 from splitserve.telemetry.asgi import instrument_app, metrics_route
 from splitserve.telemetry.exposition import register_engine
 from splitserve.telemetry.tracing import setup_tracing
+from splitserve.telemetry.stats_log import add_stats_log_arg, start_stats_log
 
 logger = logging.getLogger("splitserve.colocated")
 
@@ -59,9 +60,12 @@ async def serve(args: argparse.Namespace) -> None:
     logger.info("colocated server ready: http http://%s:%d/v1, grpc %s:%d, model %s", args.host, args.http_port, args.host, grpc_port, lm.model_id)
     serving = asyncio.create_task(serve_until_signalled(server, health, ["pd.v1.RouterService"], drain,
                                                         grace_s=args.shutdown_grace_s, name="colocated server"))
+    stats_log = start_stats_log("colocated", engine.stats, args.stats_log_interval_s)
     try:
         await asyncio.wait([serving, http_task], return_when=asyncio.FIRST_COMPLETED)
     finally:
+        if stats_log is not None:
+            stats_log.cancel()
         serving.cancel()
         http.should_exit = True
         await server.stop(grace=0)
@@ -81,7 +85,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     add_tls_args(ap)
     add_keepalive_args(ap)
     add_shutdown_args(ap)
+    add_stats_log_arg(ap)
     args = ap.parse_args(argv)
+    if not args.stats_log_interval_s >= 0:
+        raise ValueError(f"--stats-log-interval-s must be >= 0 (0: off), got {args.stats_log_interval_s}")
     engine_config(args)  # the frozen configs validate themselves (ValueError)
     tls_config(args)
     keepalive_config(args)

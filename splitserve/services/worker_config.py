@@ -20,6 +20,7 @@ from splitserve.rpc.keepalive import KeepaliveConfig, add_keepalive_args, keepal
 from splitserve.rpc.shutdown import DEFAULT_GRACE_S, add_shutdown_args, check_grace
 from splitserve.rpc.tls import TlsConfig, add_tls_args, tls_config
 from splitserve.telemetry.exposition import check_metrics_port
+from splitserve.telemetry.stats_log import add_stats_log_arg
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +34,7 @@ class WorkerConfig:
     metrics_port: HTTP GET /metrics (Prometheus) on host:metrics_port; 0 = any free port, -1 = off.
     engine, store, tls, keepalive: the engine (KV pool, batching), KV store client, gRPC TLS and keepalive settings.
     shutdown_grace_s: on SIGTERM, in-flight calls may finish within this many seconds (0: stop at once).
+    stats_log_interval_s: seconds between the one-line engine stats logs (``telemetry.stats_log``); 0: off.
 
     Raises:
         ValueError: a port outside [0, 65535], a bad metrics port or a negative grace period (the message names
@@ -50,8 +52,11 @@ class WorkerConfig:
     tls: TlsConfig = TlsConfig()
     keepalive: KeepaliveConfig = KeepaliveConfig()  # gRPC PINGs: hung peers detected
     shutdown_grace_s: float = DEFAULT_GRACE_S
+    stats_log_interval_s: float = 10.0
 
     def __post_init__(self) -> None:
+        if not self.stats_log_interval_s >= 0:
+            raise ValueError(f"--stats-log-interval-s must be >= 0 (0: off), got {self.stats_log_interval_s}")
         check_metrics_port(self.metrics_port)
         check_port("--port", self.port)
         check_grace(self.shutdown_grace_s)
@@ -67,6 +72,7 @@ def add_worker_args(ap: argparse.ArgumentParser, *, port_env: str, port: int) ->
     add_tls_args(ap)
     add_keepalive_args(ap)
     add_shutdown_args(ap)
+    add_stats_log_arg(ap)
 
 
 def worker_fields(a: argparse.Namespace) -> dict[str, Any]:
@@ -74,5 +80,5 @@ def worker_fields(a: argparse.Namespace) -> dict[str, Any]:
     return dict(
         model=a.model, host=a.host, port=a.port, transport=a.transport, torch_threads=a.torch_threads,
         metrics_port=a.metrics_port, engine=engine_config(a), store=store_config(a), tls=tls_config(a),
-        keepalive=keepalive_config(a), shutdown_grace_s=a.shutdown_grace_s,
+        keepalive=keepalive_config(a), shutdown_grace_s=a.shutdown_grace_s, stats_log_interval_s=a.stats_log_interval_s,
     )

@@ -24,6 +24,7 @@ from splitserve.rpc import keepalive
 from splitserve.rpc.server import bind, create_server, set_serving
 from splitserve.rpc.shutdown import Drain, serve_until_signalled
 from splitserve.telemetry.exposition import MetricsServer, start_worker_metrics
+from splitserve.telemetry.stats_log import start_stats_log
 
 if TYPE_CHECKING:
     from splitserve.services.worker_config import WorkerConfig
@@ -53,6 +54,7 @@ class WorkerServer:
     drain: Drain
     port: int  # bound gRPC port
     metrics: MetricsServer | None
+    engine: AsyncEngine | None = None  # its one-line stats are logged while serving
 
     @classmethod
     async def start(cls, role: str, service: str, work_method: str, add_servicer: Callable, servicer: object,
@@ -65,16 +67,19 @@ class WorkerServer:
         port = bind(server, config.host, config.port, config.tls)
         await server.start()
         metrics = start_worker_metrics(role, engine, config.host, config.metrics_port, gauges=gauges)
-        return cls(role, service, server, health_servicer, drain, port, metrics)
+        return cls(role, service, server, health_servicer, drain, port, metrics, engine)
 
     async def serve(self, config: WorkerConfig, *, busy: Callable[[], bool] | None = None, closers: list[Callable] = ()) -> None:
         """SERVING until SIGTERM/SIGINT, then drain (waiting also while ``busy()``), stop, and call ``closers``
         (sync or async) in order; a closer that fails is logged and the next ones still run."""
         await set_serving(self.health, [self.service])
+        stats_log = start_stats_log(f"{self.role} worker", self.engine.stats, config.stats_log_interval_s) if self.engine else None
         try:
             await serve_until_signalled(self.server, self.health, [self.service], self.drain,
                                         grace_s=config.shutdown_grace_s, name=f"{self.role} worker", busy=busy)
         finally:
+            if stats_log is not None:
+                stats_log.cancel()
             for close in [*([self.metrics.close] if self.metrics else []), *closers]:
                 try:
                     result = close()
