@@ -212,6 +212,14 @@ class AsyncEngine:
                 return PrefillOutput(request_id, out.token_ids[0], out.finish_reason, out.cached_tokens, blocks)
         raise RuntimeError("prefill produced no output")
 
+    def check_decode(self, prompt_token_ids: list[int], params: SamplingParams, first_token_id: int) -> None:
+        """What ``decode_prefilled`` checks first, for callers that move KV only for an acceptable request:
+        the prompt (non-empty token ids in the vocabulary, shorter than the context), ``first_token_id`` in
+        the vocabulary, and that prompt + ``params.max_tokens`` could fit the pool. Raises InvalidRequest."""
+        self._validate(prompt_token_ids, params)
+        if not 0 <= first_token_id < self.lm.config.vocab_size:
+            raise InvalidRequest(f"first_token_id {first_token_id} is outside the vocabulary [0, {self.lm.config.vocab_size})")
+
     def _check_cached(self, max_tokens: int, block_ids: list[int], num_tokens: int) -> None:
         bs = self.config.block_size
         if not 0 <= num_tokens <= max_tokens or num_tokens > len(block_ids) * bs:
@@ -231,9 +239,7 @@ class AsyncEngine:
         ``num_computed_tokens`` (default: the whole prompt) prompt tokens have K/V in the blocks; the first
         step then computes the remaining prompt tokens together with ``first_token_id`` (e.g. the part of
         a prompt that could not be read from the KV store)."""
-        self._validate(prompt_token_ids, params)
-        if not 0 <= first_token_id < self.lm.config.vocab_size:
-            raise InvalidRequest(f"first_token_id {first_token_id} is outside the vocabulary [0, {self.lm.config.vocab_size})")
+        self.check_decode(prompt_token_ids, params, first_token_id)
         n = len(prompt_token_ids) if num_computed_tokens is None else num_computed_tokens
         self._check_cached(len(prompt_token_ids), blocks.block_ids, n)
         seq = Sequence(request_id, list(prompt_token_ids), params, SeqMode.DECODE_PREFILLED)

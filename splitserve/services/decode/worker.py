@@ -2,7 +2,8 @@
 
 Lifecycle of one request (:meth:`DecodeWorker.decode`):
 1. Check the request: request_id, and with a KV handle its first token, transport, KV layout (a mismatch is
-   KVLayoutMismatch naming both) and block count; a request that could never fit the pool is refused.
+   KVLayoutMismatch naming both), block count and what the engine will check (prompt, first token, a
+   request that could never fit the pool): a refused request moves no KV.
 2. Reserve local KV blocks (waits, bounded, while the pool is busy).
 3. Fill them: pull the prefill worker's blocks over the KVReceiver (UCX) within min(transfer_timeout_s,
    the call's time left), or, with a ``via_store`` handle, read them from the KV store (whatever is
@@ -109,7 +110,7 @@ class DecodeWorker:
                     async for out in observed:  # closing it aborts the request in the engine at once
                         yield out
                 return
-            self.engine.check_capacity(len(job.prompt_token_ids), job.params)  # never fits: refuse before taking blocks
+            self.engine.check_decode(job.prompt_token_ids, job.params, job.first_token_id)  # refuse before taking blocks
             async with await self.engine.allocate_blocks(len(job.handle.block_ids)) as blocks:
                 try:
                     computed = await self._fill(job, blocks)
