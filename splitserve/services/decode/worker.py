@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.core import RequestOutput
@@ -55,10 +55,10 @@ class DecodeRun:
     """The outputs of one request (an async iterator of RequestOutput; ``aclose()`` aborts it). Steps 1-4
     run on the first iteration; ``kv_recomputed`` is final once the first output arrived."""
 
-    def __init__(self, worker: DecodeWorker, job: DecodeJob) -> None:
+    def __init__(self, job: DecodeJob, outputs: Callable[[DecodeRun], AsyncIterator[RequestOutput]]) -> None:
         self.job = job
         self.kv_recomputed = False
-        self._outputs = worker._outputs(self)  # noqa: SLF001 - the worker's own helper
+        self._outputs = outputs(self)
 
     def __aiter__(self) -> DecodeRun:
         return self
@@ -95,7 +95,7 @@ class DecodeWorker:
         """The request's outputs (see the module docstring). Iterating raises InvalidRequest,
         KVLayoutMismatch, CapacityExhausted, and with ``transfer_failure="error"`` KVTransferError /
         TransferNotFound."""
-        return DecodeRun(self, job)
+        return DecodeRun(job, self._outputs)
 
     async def _outputs(self, run: DecodeRun) -> AsyncIterator[RequestOutput]:
         job = run.job
@@ -121,8 +121,8 @@ class DecodeWorker:
                     self.num_kv_fallbacks += 1
                     logger.warning("KV pull for %s failed (%s); recomputing its prompt here", job.request_id, exc)
                     run.kv_recomputed = True
-                    blocks, computed = await self._recompute(job), None
-                async with blocks:
+                    blocks, computed = await self._recompute(job), None  # (leaving the outer block frees nothing now)
+                async with blocks:  # the engine takes them when the stream starts
                     stream = self.engine.decode_prefilled(
                         job.request_id, job.prompt_token_ids, job.params, job.first_token_id, blocks, computed
                     )
