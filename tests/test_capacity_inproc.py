@@ -67,7 +67,7 @@ async def test_a_prefill_worker_past_its_queue_bound_is_retried_elsewhere(lm):
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == ref
         assert c.backend.counters["local_prefill_fallbacks"] == 1
         assert (await stats_of(c.prefill[0]))["queue_timeouts"] == 1
-        c.prefill[0].engine.free_blocks(held)
+        held.free()
         await c.wait_idle()
     finally:
         await c.stop()
@@ -83,11 +83,11 @@ async def test_the_router_retries_a_prefill_worker_past_its_queue_bound_on_anoth
             expire(c.prefill[first], clocks[first])
             other = 1 - first
             await until_waiting(c.prefill[other])  # the retry waits its turn there
-            c.prefill[other].engine.free_blocks(held[other])  # e.g. its leases are released
+            held[other].free()  # e.g. its leases are released
             r = await request
         assert r.status_code == 200 and len(r.json()["choices"][0]["text"]) > 0
         assert c.backend.counters["prefill_retries"] == 1 and c.backend.counters["local_prefill_fallbacks"] == 0
-        c.prefill[first].engine.free_blocks(held[first])
+        held[first].free()
         await c.wait_idle()
     finally:
         await c.stop()
@@ -118,8 +118,8 @@ async def test_every_worker_past_its_queue_bound_is_http_503_with_retry_after(lm
         assert r.status_code == 503 and r.headers["retry-after"] == "1"
         err = r.json()["error"]
         assert err["code"] == "capacity_exhausted" and err["type"] == "server_error" and "waited" in err["message"]
-        for w, blocks in zip((c.prefill[0], c.decode[0]), held):
-            w.engine.free_blocks(blocks)
+        for blocks in held:
+            blocks.free()
         await c.wait_idle()
         async with c.http() as http:  # the next request succeeds
             assert (await http.post("/v1/completions", json=BODY)).status_code == 200

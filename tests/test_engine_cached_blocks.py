@@ -44,7 +44,7 @@ def prompt_of(lm, n):
 async def copy_blocks(engine, src, n):
     """Fresh blocks holding the KV of ``src``'s first ``n`` blocks (what a store read does)."""
     dst = await engine.allocate_blocks(n)
-    for s, d in zip(src[:n], dst):
+    for s, d in zip(src.block_ids[:n], dst.block_ids):
         engine.kv_cache[d].copy_(engine.kv_cache[s])
     return dst
 
@@ -54,16 +54,16 @@ async def test_prefill_over_cached_blocks_and_decode_over_partial_kv_equal_cold(
     prompt = prompt_of(lm, length)
     cold = await generate(engine, "cold", prompt)
     first = await engine.prefill("p1", prompt, GREEDY)
-    assert first.token_ids[0] == cold[0] and first.cached_tokens == 0
+    assert first.first_token_id == cold[0] and first.cached_tokens == 0
     n_full = length // B
     cached = min(n_full * B, length - 1)  # a fully cached prompt still computes its last token
-    blocks = await copy_blocks(engine, first.block_ids, n_full)
-    warm = await engine.prefill("p2", prompt, GREEDY, cached_block_ids=blocks, num_cached_tokens=cached)
-    assert warm.token_ids[0] == cold[0] and warm.cached_tokens == cached
+    blocks = await copy_blocks(engine, first.blocks, n_full)
+    warm = await engine.prefill("p2", prompt, GREEDY, cached=blocks, num_cached_tokens=cached)
+    assert warm.first_token_id == cold[0] and warm.cached_tokens == cached and blocks.consumed
     # decode with only the full blocks' KV: the first step computes the rest of the prompt + the first token
-    partial = await copy_blocks(engine, first.block_ids, len(first.block_ids))
-    engine.free_blocks(first.block_ids)
-    engine.free_blocks(warm.block_ids)
+    partial = await copy_blocks(engine, first.blocks, len(first.blocks))
+    first.blocks.free()
+    warm.blocks.free()
     tokens = [cold[0]]
     async for o in engine.decode_prefilled("d", prompt, GREEDY, cold[0], partial, num_computed_tokens=n_full * B):
         tokens += o.token_ids
@@ -71,21 +71,21 @@ async def test_prefill_over_cached_blocks_and_decode_over_partial_kv_equal_cold(
     assert await free(engine) == engine.num_blocks
 
 
-async def test_bad_cached_arguments_free_the_blocks(engine, lm):
+async def test_bad_cached_arguments_leave_the_blocks_with_the_caller(engine, lm):
     prompt = prompt_of(lm, 20)
-    blocks = await engine.allocate_blocks(1)
-    with pytest.raises(InvalidRequest):
-        await engine.prefill("x", prompt, GREEDY, cached_block_ids=blocks, num_cached_tokens=20)  # all of it: no logits left
-    blocks = await engine.allocate_blocks(1)
-    with pytest.raises(InvalidRequest):
-        await engine.prefill("x", prompt, GREEDY, cached_block_ids=blocks, num_cached_tokens=17)  # more than 1 block holds
+    async with await engine.allocate_blocks(1) as blocks:
+        with pytest.raises(InvalidRequest):
+            await engine.prefill("x", prompt, GREEDY, cached=blocks, num_cached_tokens=20)  # all of it: no logits left
+        with pytest.raises(InvalidRequest):
+            await engine.prefill("x", prompt, GREEDY, cached=blocks, num_cached_tokens=17)  # more than 1 block holds
+        assert blocks.owned
     assert await free(engine) == engine.num_blocks
 
 
-async def test_incref_keeps_blocks_until_the_last_free(engine):
+async def test_a_share_keeps_blocks_until_the_last_owner_frees(engine):
     blocks = await engine.allocate_blocks(3)
-    engine.incref_blocks(blocks)
-    engine.free_blocks(blocks)
+    write = blocks.share()
+    blocks.free()
     assert await free(engine) == engine.num_blocks - 3  # still referenced (a store write in flight)
-    engine.free_blocks(blocks)
+    write.free()
     assert await free(engine) == engine.num_blocks

@@ -58,7 +58,7 @@ async def test_burst_beyond_the_free_blocks_waits_and_gives_the_reference_tokens
         tasks = [asyncio.create_task(collect(engine, f"r{i}", lm.tokenizer.encode(p))) for i, p in enumerate(PROMPTS)]
         stats = await until(engine, "requests_waiting", len(PROMPTS))
         assert stats["requests_running"] == 0  # none could start, none failed
-        engine.free_blocks(held)  # the leases are released
+        held.free()  # the leases are released
         assert await asyncio.gather(*tasks) == references
         stats = await engine.stats()
         assert stats["kv_blocks_free"] == stats["kv_blocks_total"] == 8 and stats["kv_block_waits"] >= 1
@@ -77,12 +77,13 @@ async def test_allocations_wait_for_free_blocks_and_a_cancelled_one_leaks_nothin
         await until(engine, "kv_allocations_waiting", 2)
         gone.cancel()
         await until(engine, "kv_allocations_waiting", 1)
-        engine.free_blocks(held[:3])
+        held.truncate(5)
         got = await incoming
         assert len(got) == 3
         with pytest.raises(asyncio.CancelledError):
             await gone
-        engine.free_blocks(got + held[3:])
+        got.free()
+        held.free()
         stats = await until(engine, "kv_blocks_free", 8)
         assert stats["kv_allocations_waiting"] == 0
         with pytest.raises(InvalidRequest, match="whole KV pool has 8"):
@@ -99,9 +100,10 @@ async def test_requests_that_can_never_fit_are_refused_at_once(lm):
             engine.generate("g", prompt, SamplingParams(max_tokens=70, temperature=0))
         with pytest.raises(InvalidRequest, match="whole KV pool has 4"):
             await engine.prefill("p", list(range(3, 3 + 65)), PARAMS)
-        cached = await engine.allocate_blocks(1)
-        with pytest.raises(InvalidRequest):  # cached blocks handed over are freed with the refusal
-            await engine.prefill("p", list(range(3, 3 + 65)), PARAMS, cached_block_ids=cached, num_cached_tokens=16)
+        async with await engine.allocate_blocks(1) as cached:
+            with pytest.raises(InvalidRequest):  # refused before the engine took them: still the caller's
+                await engine.prefill("p", list(range(3, 3 + 65)), PARAMS, cached=cached, num_cached_tokens=16)
+            assert cached.owned
         edge = SamplingParams(max_tokens=65 - len(prompt), temperature=0, ignore_eos=True)  # 64 tokens fed: the whole pool
         assert len(await collect(engine, "edge", prompt, edge)) == edge.max_tokens
         stats = await engine.stats()
@@ -120,7 +122,7 @@ async def test_a_request_cancelled_while_waiting_leaves_the_pool_at_baseline(lm)
         with pytest.raises(asyncio.CancelledError):
             await task
         stats = await until(engine, "requests_waiting", 0)
-        engine.free_blocks(held)
+        held.free()
         stats = await until(engine, "kv_blocks_free", 8)
         assert stats["requests_running"] == 0
     finally:

@@ -110,7 +110,7 @@ async def test_unreachable_data_path_falls_back_and_kv_is_released_at_once(lm, p
         assert await c.wait_idle() < 1.0  # released by the router (ReleaseKV), not by the 30 s lease
         assert c.backend.counters["kv_released"] == 1 and c.prefill[0].servicer.leases.expired == 0
         # --kv-transfer-failure error: a clear UNAVAILABLE, and the KV is released too
-        c.decode[0].servicer.transfer_failure = "error"
+        c.decode[0].servicer.worker.transfer_failure = "error"
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await generate(c, prompt_ids)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "no inproc KV sender" in err.value.details()
@@ -141,7 +141,7 @@ async def test_cancel_mid_prefill_drops_the_work_within_1s(lm, prompt_ids):
         ch, stub = c.router_stub()
         call = stub.Generate(router_pb2.GenerateRequest(prompt_token_ids=router_pb2.TokenIds(ids=prompt_ids),
                                                         sampling=common_pb2.SamplingParams(max_tokens=8)))
-        while c.prefill[0].servicer.in_flight == 0:  # (engine stats would wait for the slow step)
+        while c.prefill[0].servicer.worker.in_flight == 0:  # (engine stats would wait for the slow step)
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.1)  # the engine is inside the prefill forward pass now
         call.cancel()

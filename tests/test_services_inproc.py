@@ -86,7 +86,7 @@ async def test_unpulled_kv_is_freed_by_lease_and_then_not_found(workers, lm):
                                                                      sampling=sampling())) for t in m.token_ids]
     assert [resp.first_token_id] + [t for m in msgs for t in m.token_ids] == local
     # --kv-transfer-failure error: NOT_FOUND
-    servicer.decode_servicer.transfer_failure = "error"
+    servicer.decode_servicer.worker.transfer_failure = "error"
     with pytest.raises(grpc.aio.AioRpcError) as err:
         async for _ in decode.Decode(request):
             pass

@@ -6,8 +6,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
+from dataclasses import dataclass
 from typing import AsyncIterator
 
 import torch
@@ -16,6 +18,7 @@ from splitserve.engine.admission import check_fits, max_blocks
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.core import EngineCore, RequestOutput
+from splitserve.engine.owned_blocks import OwnedBlocks
 from splitserve.engine.runner import ModelRunner
 from splitserve.engine.sampling import SamplingParams
 from splitserve.engine.scheduler import Scheduler, SchedulerConfig
@@ -28,11 +31,31 @@ from splitserve.transfer.layout import KVLayout
 logger = logging.getLogger(__name__)
 
 
+@dataclass(slots=True)
+class PrefillOutput:
+    """What ``AsyncEngine.prefill`` returns: the first token and, unless the request finished at prefill
+    (``finish_reason`` set), the prompt's KV blocks, owned by the caller."""
+
+    request_id: str
+    first_token_id: int
+    finish_reason: str | None
+    cached_tokens: int  # leading prompt tokens whose KV was handed in (``cached``), not computed
+    blocks: OwnedBlocks | None  # ceil(prompt tokens / block_size) blocks; None when finish_reason is set
+
+
 class AsyncEngine:
     """One model with its paged KV cache, served to asyncio code.
 
     Modes: ``generate`` (prefill + decode here), ``prefill`` (first token, KV blocks handed to the
     caller), ``decode_prefilled`` (KV already placed in blocks from ``allocate_blocks``).
+
+    KV block ownership: every KV block outside a running request has exactly one owner, an
+    :class:`~splitserve.engine.owned_blocks.OwnedBlocks` (from ``allocate_blocks``, from ``prefill``'s
+    output, or from ``OwnedBlocks.share``). The owner frees them (``free()``, idempotent, or leaving
+    ``async with``) or hands them on, which consumes it: to this engine (``prefill(cached=...)``,
+    ``decode_prefilled``: taken when the engine accepts the request; an InvalidRequest raised before that
+    leaves them with the caller), or to a holder such as a KV lease or a store write (``move``/``share``).
+    Nothing else frees blocks, so an error path can neither leak them nor free them twice.
 
     KV capacity: a request that needs more blocks than the whole pool is refused at once
     (InvalidRequest); one that fits the pool waits in a bounded FIFO queue until its blocks are free
@@ -109,9 +132,11 @@ class AsyncEngine:
         A request that fits waits for free blocks instead of failing."""
         check_fits(num_prompt_tokens, params.max_tokens, self.config.block_size, self.max_model_len, self.num_blocks, prefill_only)
 
-    async def _stream(self, seq: Sequence) -> AsyncIterator[RequestOutput]:
+    async def _stream(self, seq: Sequence, blocks: OwnedBlocks | None = None) -> AsyncIterator[RequestOutput]:
+        if blocks is not None:  # the engine accepts the request: the blocks are ours from here on
+            seq.block_table = blocks.take()
         if seq.request_id in self._queues:
-            if seq.block_table:  # decode_prefilled handed us its blocks: they are ours to free
+            if seq.block_table:
                 self.core.free(seq.block_table)
             raise InvalidRequest(f"duplicate request_id {seq.request_id}")
         q: asyncio.Queue = asyncio.Queue()
@@ -124,9 +149,9 @@ class AsyncEngine:
                 if out.error is not None:
                     finished = True
                     raise out.error
+                finished = out.finish_reason is not None or out.block_ids is not None
                 yield out
-                if out.finish_reason is not None or out.block_ids is not None:
-                    finished = True
+                if finished:
                     return
         finally:
             del self._queues[seq.request_id]
@@ -145,30 +170,34 @@ class AsyncEngine:
 
     async def prefill(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-        cached_block_ids: list[int] | None = None, num_cached_tokens: int = 0,
-    ) -> RequestOutput:
-        """Run prefill; returns the first token. Unless ``finish_reason`` is set, ``block_ids`` holds the
-        prompt's KV and the caller owns those blocks (``free_blocks`` when done). Cancel-safe.
+        cached: OwnedBlocks | None = None, num_cached_tokens: int = 0,
+    ) -> PrefillOutput:
+        """Run prefill; returns the first token and, unless ``finish_reason`` is set, the prompt's KV blocks
+        (owned by the caller). Cancel-safe: a cancelled caller's request is aborted and its blocks freed.
 
-        ``cached_block_ids`` (from ``allocate_blocks``, ownership passes to the engine, freed on any
-        error) already hold the K/V of the first ``num_cached_tokens`` prompt tokens (e.g. read from the
-        KV store); only the rest is computed. ``num_cached_tokens`` must be below the prompt length (the
-        last prompt token is always computed: its logits give the first token). Raises InvalidRequest.
+        ``cached`` (e.g. from ``allocate_blocks``, filled from the KV store) already holds the K/V of the
+        first ``num_cached_tokens`` prompt tokens; only the rest is computed. The engine takes the blocks
+        once the arguments are valid (then frees them on any later error). ``num_cached_tokens`` must be
+        below the prompt length (the last prompt token is always computed: its logits give the first
+        token). Raises InvalidRequest (``cached`` then stays with the caller).
         """
-        cached = list(cached_block_ids or [])
+        self._validate(prompt_token_ids, params, prefill_only=True)
+        self._check_cached(len(prompt_token_ids) - 1, [] if cached is None else cached.block_ids, num_cached_tokens)
         seq = Sequence(request_id, list(prompt_token_ids), params, SeqMode.PREFILL_ONLY)
-        try:
-            self._validate(prompt_token_ids, params, prefill_only=True)
-            self._check_cached(len(prompt_token_ids) - 1, cached, num_cached_tokens)
-        except BaseException:
-            if cached:
-                self.core.free(cached)
-            raise
-        seq.block_table = cached
         seq.num_computed_tokens = seq.cached_tokens = num_cached_tokens
-        async for out in self._stream(seq):
-            return out
+        async with contextlib.aclosing(self._stream(seq, cached)) as stream:
+            async for out in stream:
+                blocks = None if out.block_ids is None else OwnedBlocks(out.block_ids, self.core)
+                return PrefillOutput(request_id, out.token_ids[0], out.finish_reason, out.cached_tokens, blocks)
         raise RuntimeError("prefill produced no output")
+
+    def check_decode(self, prompt_token_ids: list[int], params: SamplingParams, first_token_id: int) -> None:
+        """What ``decode_prefilled`` checks first, for callers that move KV only for an acceptable request:
+        the prompt (non-empty token ids in the vocabulary, shorter than the context), ``first_token_id`` in
+        the vocabulary, and that prompt + ``params.max_tokens`` could fit the pool. Raises InvalidRequest."""
+        self._validate(prompt_token_ids, params)
+        if not 0 <= first_token_id < self.lm.config.vocab_size:
+            raise InvalidRequest(f"first_token_id {first_token_id} is outside the vocabulary [0, {self.lm.config.vocab_size})")
 
     def _check_cached(self, max_tokens: int, block_ids: list[int], num_tokens: int) -> None:
         bs = self.config.block_size
@@ -178,28 +207,28 @@ class AsyncEngine:
             raise InvalidRequest("cached block ids out of range or repeated")
 
     def decode_prefilled(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, first_token_id: int, block_ids: list[int],
-        num_computed_tokens: int | None = None,
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, first_token_id: int,
+        blocks: OwnedBlocks, num_computed_tokens: int | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Continue a request whose prompt KV is already in ``block_ids`` (ownership passes to the engine
-        once the returned stream is first iterated; raising here leaves them with the caller).
+        """Continue a request whose prompt KV is already in ``blocks`` (``ceil(prompt tokens / block_size)``
+        of them); yields the tokens after ``first_token_id``. Arguments are checked at once (InvalidRequest
+        leaves the blocks with the caller); the engine takes the blocks when the returned stream is first
+        iterated (BlocksReleased if the caller freed them before). Closing the stream aborts the request.
 
         ``num_computed_tokens`` (default: the whole prompt) prompt tokens have K/V in the blocks; the first
         step then computes the remaining prompt tokens together with ``first_token_id`` (e.g. the part of
         a prompt that could not be read from the KV store)."""
-        self._validate(prompt_token_ids, params)
-        if not 0 <= first_token_id < self.lm.config.vocab_size:
-            raise InvalidRequest(f"first_token_id {first_token_id} is outside the vocabulary [0, {self.lm.config.vocab_size})")
+        self.check_decode(prompt_token_ids, params, first_token_id)
         n = len(prompt_token_ids) if num_computed_tokens is None else num_computed_tokens
-        self._check_cached(len(prompt_token_ids), block_ids, n)
+        self._check_cached(len(prompt_token_ids), blocks.block_ids, n)
         seq = Sequence(request_id, list(prompt_token_ids), params, SeqMode.DECODE_PREFILLED)
         seq.output_token_ids = [first_token_id]
-        seq.block_table = list(block_ids)
         seq.num_computed_tokens = n
-        return self._stream(seq)
+        return self._stream(seq, blocks)
 
-    async def allocate_blocks(self, num_blocks: int, *, wait: bool = True) -> list[int]:
-        """Reserve KV blocks (e.g. to receive a transfer into).
+    async def allocate_blocks(self, num_blocks: int, *, wait: bool = True) -> OwnedBlocks:
+        """Reserve ``num_blocks`` KV blocks (e.g. to receive a transfer into), owned by the caller:
+        ``async with await engine.allocate_blocks(n) as blocks:`` frees them on exit unless handed on.
 
         With ``wait`` (default) it waits its turn (FIFO) until the blocks are free: blocks held by leases,
         store writes or running requests come back. Without ``wait`` it takes them only if free right now.
@@ -211,23 +240,16 @@ class AsyncEngine:
         Cancel-safe: a cancelled caller leaves the queue, and blocks it got meanwhile are freed."""
         fut = self.core.allocate(num_blocks, wait)
         try:
-            return await asyncio.shield(asyncio.wrap_future(fut))
+            block_ids = await asyncio.shield(asyncio.wrap_future(fut))
         except asyncio.CancelledError:
             if not self.core.cancel_allocation(fut):
                 fut.add_done_callback(self._free_if_allocated)
             raise
+        return OwnedBlocks(block_ids, self.core)
 
     def _free_if_allocated(self, fut) -> None:
         if not fut.cancelled() and fut.exception() is None:
             self.core.free(fut.result())
-
-    def free_blocks(self, block_ids: list[int]) -> None:
-        self.core.free(block_ids)
-
-    def incref_blocks(self, block_ids: list[int]) -> None:
-        """One more reference on blocks the caller owns (e.g. while they are written to the KV store);
-        each reference is dropped by one ``free_blocks``."""
-        self.core.incref(block_ids)
 
     async def stats(self) -> dict[str, float]:
         def read() -> dict[str, float]:

@@ -17,11 +17,11 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from pd.v1 import common_pb2
-
 from splitserve.engine.async_engine import AsyncEngine
+from splitserve.engine.owned_blocks import OwnedBlocks
 from splitserve.errors import PdError
 from splitserve.kvstore.kv_blocks import KVBlockStore
+from splitserve.transfer.handle import KVHandle
 
 logger = logging.getLogger(__name__)
 
@@ -36,11 +36,11 @@ class DecodeStore:
         self.recomputed_tokens = 0  # prompt tokens the decode worker had to compute itself
         self._cleanups: set[asyncio.Task] = set()
 
-    async def load_prompt(self, handle: common_pb2.KVHandle, prompt: list[int], block_ids: list[int],
+    async def load_prompt(self, handle: KVHandle, prompt: list[int], blocks: OwnedBlocks,
                           timeout_s: float | None = None) -> int:
-        """Fill ``block_ids`` (covering the prompt) from the store, waiting and reading for at most
-        ``timeout_s`` in all (None: ``wait_s`` plus the reads); returns how many leading prompt tokens now
-        have their K/V there (the rest is for the engine to compute)."""
+        """Fill ``blocks`` (covering the prompt; they stay with the caller) from the store, waiting and reading
+        for at most ``timeout_s`` in all (None: ``wait_s`` plus the reads); returns how many leading prompt
+        tokens now have their K/V there (the rest is for the engine to compute)."""
         loop = asyncio.get_running_loop()
         deadline = None if timeout_s is None else loop.time() + timeout_s
         keys = self.blocks.keys(prompt)
@@ -49,7 +49,7 @@ class DecodeStore:
             keys.append(tail)
         hits = await self.blocks.wait_prefix(keys, self.wait_s if timeout_s is None else min(self.wait_s, timeout_s))
         remaining = None if deadline is None else max(0.0, deadline - loop.time())
-        n = await self.blocks.load(hits, block_ids[: len(hits)], remaining) if hits else 0
+        n = await self.blocks.load(hits, blocks.block_ids[: len(hits)], remaining) if hits else 0
         if tail:  # best effort; one the prefill worker is still writing is left to eviction
             self._spawn_remove(tail)
         computed = min(n * self.block_size, len(prompt))

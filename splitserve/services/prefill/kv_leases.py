@@ -1,15 +1,16 @@
 """KV held by a prefill worker between its response and the decode worker's pull.
 
-A transfer's blocks are freed exactly once: when the pull completes (or fails), when the decode
-side releases them (ReleaseKV), or when the lease expires.
+A lease owns its transfer's blocks (an OwnedBlocks handed over by ``hold``) and frees them exactly once:
+when the pull completes (or fails), when the decode side releases them (ReleaseKV), or when the lease
+expires.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Callable
 
+from splitserve.engine.owned_blocks import OwnedBlocks
 from splitserve.telemetry.metrics import KV_LEASES_EXPIRED
 from splitserve.transfer.base import KVSender
 
@@ -17,20 +18,21 @@ logger = logging.getLogger(__name__)
 
 
 class KVLeases:
-    def __init__(self, sender: KVSender, free_blocks: Callable[[list[int]], None], lease_s: float) -> None:
+    def __init__(self, sender: KVSender, lease_s: float) -> None:
         self._sender = sender
-        self._free_blocks = free_blocks
         self._lease_s = lease_s
-        self._held: dict[str, tuple[list[int], asyncio.TimerHandle]] = {}
+        self._held: dict[str, tuple[OwnedBlocks, asyncio.TimerHandle]] = {}
         self.expired = 0
 
     def __len__(self) -> int:
         return len(self._held)
 
-    def hold(self, transfer_id: str, block_ids: list[int]) -> None:
+    def hold(self, transfer_id: str, blocks: OwnedBlocks) -> None:
+        """Serve ``blocks`` to one pull under ``transfer_id`` for at most ``lease_s``; consumes ``blocks``.
+        Raises ValueError (from the sender: a duplicate id) with ``blocks`` left to the caller."""
+        self._sender.register(transfer_id, blocks.block_ids, self._on_done)
         timer = asyncio.get_running_loop().call_later(self._lease_s, self._expire, transfer_id)
-        self._held[transfer_id] = (block_ids, timer)
-        self._sender.register(transfer_id, block_ids, self._on_done)
+        self._held[transfer_id] = (blocks.move(), timer)
 
     def _on_done(self, transfer_id: str, ok: bool) -> None:
         if not ok:
@@ -58,9 +60,9 @@ class KVLeases:
     def _drop(self, transfer_id: str) -> None:
         entry = self._held.pop(transfer_id, None)
         if entry is not None:
-            block_ids, timer = entry
+            blocks, timer = entry
             timer.cancel()
-            self._free_blocks(block_ids)
+            blocks.free()
 
     def release_all(self) -> None:
         for transfer_id in list(self._held):

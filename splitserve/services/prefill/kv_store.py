@@ -10,8 +10,9 @@ Lifecycle of one request:
    token). The reused tokens are reported as ``cached_tokens``.
 5. The response goes out at once. The new full blocks are written in the background (two-phase put;
    keys complete or being written elsewhere are skipped, so concurrent requests with one prefix produce
-   one write). Each block being written carries one extra engine reference until its write finished, so
-   freeing the request's blocks after the decode pull never races the write.
+   one write). The write owns a share of the blocks it reads (``OwnedBlocks.share``: one extra engine
+   reference, dropped when the write task ends however it ends), so freeing the request's blocks after
+   the decode pull never races the write.
 
 Store transfer mode (``transfer_mode="store"``) adds: the partial last block is written too (under a
 per-transfer tail key), PutStart is awaited before responding (one master round trip, so the decode worker
@@ -24,8 +25,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from splitserve.engine.async_engine import AsyncEngine
-from splitserve.engine.core import RequestOutput
+from splitserve.engine.async_engine import AsyncEngine, PrefillOutput
+from splitserve.engine.owned_blocks import OwnedBlocks
 from splitserve.engine.sampling import SamplingParams
 from splitserve.errors import ObjectAlreadyExists, PdError
 from splitserve.kvstore.client import PutTicket
@@ -49,93 +50,83 @@ class PrefillStore:
         self.cached_requests = 0
 
     async def prefill(self, request_id: str, prompt: list[int], params: SamplingParams,
-                      time_remaining: float | None = None) -> RequestOutput:
+                      time_remaining: float | None = None) -> PrefillOutput:
         """Steps 1-4: prefill reusing the longest cached prefix. Never fails because of the store: reads
-        that fail or take longer than ``READ_SHARE`` of ``time_remaining`` (the call's deadline) are
-        recomputed."""
-        keys = self.blocks.keys(prompt)
-        hits = await self.blocks.lookup_prefix(keys)
-        loaded: list[int] = []
-        if hits:
-            try:
-                block_ids = await self.engine.allocate_blocks(len(hits), wait=False)
-            except PdError:  # not free right now: compute everything (the prefill itself waits for its blocks)
-                block_ids = []
-            if block_ids:
-                try:
-                    budget = None if time_remaining is None else READ_SHARE * time_remaining
-                    n = await self.blocks.load(hits[: len(block_ids)], block_ids, budget)
-                except BaseException:
-                    self.engine.free_blocks(block_ids)
-                    raise
-                loaded, unused = block_ids[:n], block_ids[n:]
-                if unused:
-                    self.engine.free_blocks(unused)
-        num_cached = min(len(loaded) * self.block_size, len(prompt) - 1)
-        if num_cached > 0:
+        that fail or take longer than ``READ_SHARE`` of ``time_remaining`` (seconds left of the call's
+        deadline) are recomputed. Raises what ``AsyncEngine.prefill`` raises."""
+        cached = await self._load_prefix(prompt, time_remaining)
+        if cached is None:
+            return await self.engine.prefill(request_id, prompt, params)
+        async with cached:
+            num_cached = min(len(cached) * self.block_size, len(prompt) - 1)
             self.cached_tokens += num_cached
             self.cached_requests += 1
-        elif loaded:  # a one-token prompt cannot reuse anything
-            self.engine.free_blocks(loaded)
-            loaded = []
-        return await self.engine.prefill(request_id, prompt, params, cached_block_ids=loaded, num_cached_tokens=num_cached)
+            return await self.engine.prefill(request_id, prompt, params, cached=cached, num_cached_tokens=num_cached)
 
-    async def publish(self, prompt: list[int], out: RequestOutput, transfer_id: str) -> bool:
-        """Step 5 for a prefill whose blocks the caller owns (``out.block_ids``). Returns True when the KV
-        goes through the store (store mode, PutStart done): the caller must then drop its own reference
-        to the blocks instead of holding them for a direct pull."""
+    async def _load_prefix(self, prompt: list[int], time_remaining: float | None) -> OwnedBlocks | None:
+        """Engine blocks holding the prompt's longest readable cached prefix; None when nothing was read
+        (or the prompt has one token: it cannot reuse anything)."""
+        hits = await self.blocks.lookup_prefix(self.blocks.keys(prompt)) if len(prompt) > 1 else []
+        if not hits:
+            return None
+        try:
+            blocks = await self.engine.allocate_blocks(len(hits), wait=False)
+        except PdError:  # not free right now: compute everything (the prefill itself waits for its blocks)
+            return None
+        async with blocks:  # freed if the read fails or is cancelled
+            budget = None if time_remaining is None else READ_SHARE * time_remaining
+            n = await self.blocks.load(hits, blocks.block_ids, budget)
+            if n == 0:
+                return None
+            blocks.truncate(n)
+            return blocks.move()
+
+    async def publish(self, prompt: list[int], cached_tokens: int, blocks: OwnedBlocks, transfer_id: str) -> bool:
+        """Step 5 for the prompt's KV in ``blocks`` (of which the first ``cached_tokens`` came from the store).
+        Returns True when the KV goes through the store (store mode, PutStart done): the caller then frees
+        ``blocks`` instead of holding them for a direct pull. The background write keeps its own share of
+        the blocks. Raises BlocksReleased if ``blocks`` is no longer owned; store errors fall back to False."""
         keys = self.blocks.keys(prompt)
-        first_new = min(-(-out.cached_tokens // self.block_size), len(keys))  # blocks that came from the store
+        first_new = min(-(-cached_tokens // self.block_size), len(keys))  # blocks that came from the store
         keys = keys[first_new:]
-        block_ids = list(out.block_ids[first_new : first_new + len(keys)])
         via_store = self.transfer_mode == "store"
         if via_store and len(prompt) % self.block_size:
-            keys.append(tail_key(transfer_id))
-            block_ids.append(out.block_ids[-1])
+            keys.append(tail_key(transfer_id))  # the partial last block, blocks[len(full keys)]
         if not keys:
             return via_store
-        self.engine.incref_blocks(block_ids)  # queued before any free of the caller: applied first
+        write = blocks.share(first_new, first_new + len(keys))
         if not via_store:
-            self._spawn(self._save(keys, block_ids))
+            self._spawn(self.blocks.save(keys, write.block_ids), write)
             return False
-        try:
-            tickets = await self.blocks.begin_save(keys)
-        except BaseException as exc:
-            self.engine.free_blocks(block_ids)
-            if isinstance(exc, PdError):
+        async with write:  # freed here unless the background write takes it
+            try:
+                tickets = await self.blocks.begin_save(keys)
+            except PdError as exc:
                 logger.warning("KV store unavailable for transfer %s, falling back to a direct pull: %s", transfer_id, exc)
                 return False
-            raise
-        if not any(isinstance(t, (PutTicket, ObjectAlreadyExists)) for t in tickets):
-            self.engine.free_blocks(block_ids)
-            logger.warning("KV store took none of the blocks of %s (%s); falling back to a direct pull", transfer_id, tickets[0])
-            return False
-        if tail_key(transfer_id) in keys and not isinstance(tickets[-1], PutTicket):
-            logger.warning("KV store refused the tail block of %s (%s); the decode worker recomputes it", transfer_id, tickets[-1])
-        self._spawn(self._finish(keys, tickets, block_ids))
-        return True
+            if not any(isinstance(t, (PutTicket, ObjectAlreadyExists)) for t in tickets):
+                logger.warning("KV store took none of the blocks of %s (%s); falling back to a direct pull", transfer_id, tickets[0])
+                return False
+            if tail_key(transfer_id) in keys and not isinstance(tickets[-1], PutTicket):
+                logger.warning("KV store refused the tail block of %s (%s); the decode worker recomputes it", transfer_id, tickets[-1])
+            self._spawn(self.blocks.finish_save(keys, tickets, write.block_ids), write.move())
+            return True
 
-    def _spawn(self, coro) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
+    def _spawn(self, save, blocks: OwnedBlocks) -> None:
+        """Run a background write that owns ``blocks``: freed when the task ends, even if it never ran."""
+        task = asyncio.get_running_loop().create_task(self._write(save))
         self._writes.add(task)
         task.add_done_callback(self._writes.discard)
+        task.add_done_callback(lambda _: blocks.free())
 
-    async def _save(self, keys: list[str], block_ids: list[int]) -> None:
-        await self._write(self.blocks.save(keys, block_ids), block_ids)
-
-    async def _finish(self, keys: list[str], tickets, block_ids: list[int]) -> None:
-        await self._write(self.blocks.finish_save(keys, tickets, block_ids), block_ids)
-
-    async def _write(self, save, block_ids: list[int]) -> None:
-        """Run a background write; its blocks' extra reference is dropped however it ends."""
+    @staticmethod
+    async def _write(save) -> None:
         try:
             await save
         except PdError as exc:  # e.g. the master went away between PutStart and PutEnd
             logger.warning("KV store write failed: %s", exc)
         except Exception:
             logger.exception("KV store write failed")
-        finally:
-            self.engine.free_blocks(block_ids)
 
     @property
     def writes_in_flight(self) -> int:

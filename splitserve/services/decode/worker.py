@@ -1,0 +1,183 @@
+"""Decode worker logic, without I/O of its own (the gRPC adapter is ``server.py``).
+
+Lifecycle of one request (:meth:`DecodeWorker.decode`):
+1. Check the request: request_id, and with a KV handle its first token, transport, KV layout (a mismatch is
+   KVLayoutMismatch naming both), block count and what the engine will check (prompt, first token, a
+   request that could never fit the pool): a refused request moves no KV.
+2. Reserve local KV blocks (waits, bounded, while the pool is busy).
+3. Fill them: pull the prefill worker's blocks over the KVReceiver (UCX) within min(transfer_timeout_s,
+   the call's time left), or, with a ``via_store`` handle, read them from the KV store (whatever is
+   missing is computed by the first decode step).
+4. If the pull fails (unreachable, timeout, lease expired, corrupted): with ``transfer_failure="fallback"``
+   free the blocks, recompute the prompt's KV with a local prefill and continue from the first token
+   prefill produced (``DecodeRun.kv_recomputed``: the caller must release the prefill worker's KV); with
+   ``"error"`` the error (KVTransferError / TransferNotFound) reaches the caller.
+5. Join the running batch (continuous batching) and stream the tokens after the first. Finish, cancel,
+   deadline or error frees the blocks. Without a KV handle the request is prefilled here (``generate``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable
+
+from splitserve.engine.async_engine import AsyncEngine
+from splitserve.engine.core import RequestOutput
+from splitserve.engine.owned_blocks import OwnedBlocks
+from splitserve.engine.sampling import SamplingParams
+from splitserve.errors import InvalidRequest, KVTransferError, TransferNotFound
+from splitserve.services.decode.kv_store import DecodeStore
+from splitserve.telemetry.transfer import observe_receive
+from splitserve.telemetry.workers import observe_decode
+from splitserve.transfer.base import KVReceiver
+from splitserve.transfer.handle import KVHandle
+
+logger = logging.getLogger(__name__)
+
+#: the local prefill of a fallback only rebuilds the prompt's KV; its sampled token is discarded
+_RECOMPUTE = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+MAX_REQUEST_ID_LEN = 256
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeJob:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    first_token_id: int | None = None  # the token prefill produced; required with ``handle``
+    handle: KVHandle | None = None  # where the prompt's KV is; None: prefill here
+    time_remaining: float | None = None  # seconds left of the caller's deadline (None: none)
+
+
+class DecodeRun:
+    """The outputs of one request (an async iterator of RequestOutput; ``aclose()`` aborts it). Steps 1-4
+    run on the first iteration; ``kv_recomputed`` is final once the first output arrived."""
+
+    def __init__(self, job: DecodeJob, outputs: Callable[[DecodeRun], AsyncIterator[RequestOutput]]) -> None:
+        self.job = job
+        self.kv_recomputed = False
+        self._outputs = outputs(self)
+
+    def __aiter__(self) -> DecodeRun:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        return await self._outputs.__anext__()
+
+    async def aclose(self) -> None:
+        await self._outputs.aclose()
+
+
+class DecodeWorker:
+    """Counters (plain ints, event-loop thread): ``num_requests``, ``streams_open``, ``num_local_prefills``,
+    ``num_kv_fallbacks``."""
+
+    def __init__(
+        self, engine: AsyncEngine, receiver: KVReceiver, transport: str, transfer_timeout_s: float,
+        transfer_failure: str = "fallback", store: DecodeStore | None = None,
+    ) -> None:
+        if transfer_failure not in ("fallback", "error"):
+            raise ValueError(f"transfer_failure must be 'fallback' or 'error', got {transfer_failure!r}")
+        self.engine = engine
+        self.receiver = receiver
+        self.transport = transport
+        self.transfer_timeout_s = transfer_timeout_s
+        self.transfer_failure = transfer_failure
+        self.store = store
+        self.num_requests = 0
+        self.streams_open = 0
+        self.num_local_prefills = 0
+        self.num_kv_fallbacks = 0
+
+    def decode(self, job: DecodeJob) -> DecodeRun:
+        """The request's outputs (see the module docstring). Iterating raises InvalidRequest,
+        KVLayoutMismatch, CapacityExhausted, and with ``transfer_failure="error"`` KVTransferError /
+        TransferNotFound."""
+        return DecodeRun(job, self._outputs)
+
+    async def _outputs(self, run: DecodeRun) -> AsyncIterator[RequestOutput]:
+        job = run.job
+        self.num_requests += 1
+        self.streams_open += 1
+        try:
+            self._check(job)
+            if job.handle is None:
+                self.num_local_prefills += 1
+                stream = self.engine.generate(job.request_id, job.prompt_token_ids, job.params)
+                async with contextlib.aclosing(observe_decode(stream, job.request_id, local_prefill=True)) as observed:
+                    async for out in observed:  # closing it aborts the request in the engine at once
+                        yield out
+                return
+            self.engine.check_decode(job.prompt_token_ids, job.params, job.first_token_id)  # refuse before taking blocks
+            async with await self.engine.allocate_blocks(len(job.handle.block_ids)) as blocks:
+                try:
+                    computed = await self._fill(job, blocks)
+                except (KVTransferError, TransferNotFound) as exc:  # incl. timeout, unreachable, checksum mismatch
+                    if self.transfer_failure == "error":
+                        raise
+                    blocks.free()  # the local prefill takes its own
+                    self.num_kv_fallbacks += 1
+                    logger.warning("KV pull for %s failed (%s); recomputing its prompt here", job.request_id, exc)
+                    run.kv_recomputed = True
+                    blocks, computed = await self._recompute(job), None  # (leaving the outer block frees nothing now)
+                async with blocks:  # the engine takes them when the stream starts
+                    stream = self.engine.decode_prefilled(
+                        job.request_id, job.prompt_token_ids, job.params, job.first_token_id, blocks, computed
+                    )
+                    async with contextlib.aclosing(observe_decode(stream, job.request_id, local_prefill=run.kv_recomputed)) as observed:
+                        async for out in observed:
+                            yield out
+        finally:
+            self.streams_open -= 1
+
+    def _check(self, job: DecodeJob) -> None:
+        """Refuse requests that lack what only the router supplies (a direct client's malformed call)."""
+        if not job.request_id or len(job.request_id) > MAX_REQUEST_ID_LEN:
+            raise InvalidRequest(f"request_id is required (1..{MAX_REQUEST_ID_LEN} characters)")
+        h = job.handle
+        if h is None:
+            return
+        if job.first_token_id is None:
+            raise InvalidRequest("first_token_id is required with a kv_handle")
+        if not h.transfer_id or not h.endpoint or not h.block_ids:
+            raise InvalidRequest("kv_handle needs transfer_id, endpoint and block_ids")
+        self.engine.layout.check_compatible(h.layout)
+        if h.transport != self.transport:
+            raise InvalidRequest(f"KV handle transport {h.transport!r}; this worker receives over {self.transport!r}")
+        n = len(job.prompt_token_ids)
+        if h.num_tokens != n or len(h.block_ids) != -(-n // self.engine.layout.block_size):
+            raise InvalidRequest(f"KV handle covers {h.num_tokens} tokens in {len(h.block_ids)} blocks; prompt has {n} tokens")
+        if job.params.max_tokens <= 1:
+            raise InvalidRequest("max_tokens <= 1: the request finished at prefill; nothing to decode")
+
+    async def _fill(self, job: DecodeJob, blocks: OwnedBlocks) -> int | None:
+        """Put the prompt's KV into ``blocks``; returns how many leading prompt tokens it covers (None: all)."""
+        h = job.handle
+        t = self.transfer_timeout_s
+        timeout = t if job.time_remaining is None else max(0.001, min(t, job.time_remaining))
+        if h.via_store:  # store transfer mode: read from the KV store, recompute what is missing
+            return await self.store.load_prompt(h, job.prompt_token_ids, blocks, timeout) if self.store is not None else 0
+        with observe_receive(self.transport, h.endpoint, h.transfer_id, len(blocks)) as obs:
+            obs.nbytes = await self.receiver.fetch(h.endpoint, h.transfer_id, list(h.block_ids), blocks.block_ids, timeout)
+        return None
+
+    async def _recompute(self, job: DecodeJob) -> OwnedBlocks:
+        """The prompt's KV rebuilt by a local prefill."""
+        out = await self.engine.prefill(f"{job.request_id}#recompute", job.prompt_token_ids, _RECOMPUTE)
+        if out.blocks is None:  # only if the prompt fills the context: then there is nothing to decode
+            raise InvalidRequest("the prompt leaves no room to decode")
+        return out.blocks
+
+    def stats(self) -> dict[str, float]:
+        s = self.receiver.stats
+        counters = dict(
+            requests=self.num_requests, streams_open=self.streams_open, local_prefills=self.num_local_prefills,
+            kv_transfer_fallbacks=self.num_kv_fallbacks, kv_checksum_failures=s.checksum_failures,
+            ucx_bytes_received=s.bytes_received if self.transport == "ucx" else 0, kv_bytes_received=s.bytes_received,
+            kv_transfers_ok=s.transfers_ok, kv_transfers_failed=s.transfers_failed,
+        )
+        if self.store is not None:
+            counters.update(self.store.stats())
+        return counters

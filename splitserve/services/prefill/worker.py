@@ -1,0 +1,119 @@
+"""Prefill worker logic, without I/O of its own (the gRPC adapter is ``server.py``).
+
+Lifecycle of one request (:meth:`PrefillWorker.prefill`):
+1. Check the request (request_id, a non-empty prompt).
+2. With a KV store: look up the prompt's longest cached prefix and read it into fresh KV blocks
+   (``PrefillStore.prefill``); then the engine prefill (batched with concurrent prompts) computes the rest
+   and samples the first token.
+3. Unless the request finished at prefill: publish the prompt's new full blocks to the store (a background
+   write with its own share of the blocks) and, in store transfer mode when PutStart succeeded, free the
+   blocks (the decode worker reads the store); otherwise hold them under a fresh transfer_id (``KVLeases``)
+   until the decode worker pulls them, releases them, or the lease (``lease_s``) ends.
+4. Answer with the first token and a :class:`KVHandle` naming the blocks and the data-plane endpoint.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+from splitserve.engine.async_engine import AsyncEngine
+from splitserve.engine.owned_blocks import OwnedBlocks
+from splitserve.engine.sampling import SamplingParams
+from splitserve.errors import InvalidRequest
+from splitserve.kvstore.kv_blocks import tail_key
+from splitserve.services.prefill.kv_leases import KVLeases
+from splitserve.services.prefill.kv_store import PrefillStore
+from splitserve.telemetry.workers import observe_prefill
+from splitserve.transfer.base import KVSender
+from splitserve.transfer.handle import KVHandle
+
+MAX_REQUEST_ID_LEN = 256
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillResult:
+    first_token_id: int
+    finish_reason: str | None  # set when the request finished at prefill: then ``handle`` is None
+    cached_tokens: int  # prompt tokens whose KV came from the store
+    handle: KVHandle | None
+
+
+class PrefillWorker:
+    """Counters (plain ints, event-loop thread): ``num_requests`` (answered), ``in_flight``; ``leases`` holds
+    the KV waiting for decode workers."""
+
+    def __init__(
+        self, engine: AsyncEngine, sender: KVSender, transport: str, lease_s: float, store: PrefillStore | None = None,
+        advertise: str | None = None,
+    ) -> None:
+        self.engine = engine
+        self.sender = sender
+        self.transport = transport
+        self.lease_s = lease_s
+        self.store = store
+        self.advertise = advertise
+        self.leases = KVLeases(sender, lease_s)
+        self.num_requests = 0
+        self.in_flight = 0
+
+    @property
+    def endpoint(self) -> str:
+        """The data-plane endpoint put in KV handles."""
+        return self.advertise or self.sender.endpoint
+
+    async def prefill(self, request_id: str, prompt: list[int], params: SamplingParams,
+                      time_remaining: float | None = None) -> PrefillResult:
+        """Steps 1-4 for ``prompt`` (token ids); ``time_remaining``: seconds left of the caller's deadline.
+        Cancel-safe (the engine aborts the prefill, blocks are freed). Raises InvalidRequest,
+        CapacityExhausted (the engine's KV queue)."""
+        self.in_flight += 1
+        try:
+            if not request_id or len(request_id) > MAX_REQUEST_ID_LEN:
+                raise InvalidRequest(f"request_id is required (1..{MAX_REQUEST_ID_LEN} characters)")
+            if not prompt:
+                raise InvalidRequest("prompt_token_ids is empty")
+            with observe_prefill(request_id, len(prompt)) as obs:
+                if self.store is not None:
+                    out = await self.store.prefill(request_id, prompt, params, time_remaining)
+                else:
+                    out = await self.engine.prefill(request_id, prompt, params)
+                obs.done(out.cached_tokens, out.finish_reason)
+            handle = None
+            if out.blocks is not None:
+                async with out.blocks as blocks:  # freed on exit unless a lease took them
+                    handle = await self._hand_over(request_id, prompt, out.cached_tokens, blocks)
+        finally:
+            self.in_flight -= 1
+        self.num_requests += 1
+        return PrefillResult(out.first_token_id, out.finish_reason, out.cached_tokens, handle)
+
+    async def _hand_over(self, request_id: str, prompt: list[int], cached_tokens: int, blocks: OwnedBlocks) -> KVHandle:
+        """Step 3: publish ``blocks`` to the store and/or hold them under a lease (consuming them)."""
+        transfer_id = uuid.uuid4().hex
+        block_ids = blocks.block_ids
+        via_store = False
+        if self.store is not None:
+            via_store = await self.store.publish(prompt, cached_tokens, blocks, transfer_id)
+        if not via_store:
+            self.leases.hold(transfer_id, blocks)
+        partial = len(prompt) % self.engine.layout.block_size
+        return KVHandle(
+            request_id, transfer_id, len(prompt), self.engine.layout, self.transport, self.endpoint, tuple(block_ids),
+            int(self.lease_s * 1000), via_store, tail_key(transfer_id) if via_store and partial else "",
+        )
+
+    def release(self, transfer_id: str) -> bool:
+        """Free the KV held under ``transfer_id`` (the decode leg will not pull it); False if none is held."""
+        return self.leases.release(transfer_id)
+
+    def stats(self) -> dict[str, float]:
+        s = self.sender.stats
+        counters = dict(
+            requests=self.num_requests, prefills_in_flight=self.in_flight, kv_transfers_held=len(self.leases),
+            kv_leases_expired=self.leases.expired, ucx_bytes_sent=s.bytes_sent if self.transport == "ucx" else 0,
+            kv_bytes_sent=s.bytes_sent, kv_transfers_ok=s.transfers_ok, kv_transfers_failed=s.transfers_failed,
+        )
+        if self.store is not None:
+            counters.update(self.store.stats())
+        return counters
