@@ -58,8 +58,8 @@ async def test_max_tokens_1_is_the_prefill_token_alone_and_schedules_no_decode(c
     assert body["choices"][0]["finish_reason"] == "length"
     expected = await colocated_tokens(cluster, prompt, 1)
     assert body["choices"][0]["text"] == lm.tokenizer.decode(expected)
-    assert cluster.decode[0].servicer.num_requests == 0  # no decode leg was sent
-    assert cluster.prefill[0].servicer.num_requests == 1
+    assert cluster.decode[0].servicer.worker.num_requests == 0  # no decode leg was sent
+    assert cluster.prefill[0].servicer.worker.num_requests == 1
 
 
 async def test_a_stop_string_on_the_first_token_ends_the_request_there(cluster, lm) -> None:
