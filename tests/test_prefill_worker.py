@@ -144,3 +144,46 @@ async def test_a_caller_cancelled_during_the_store_put_start_leaks_nothing(start
     with pytest.raises(asyncio.CancelledError):
         await task
     assert len(pair.prefill.leases) == 0
+
+
+def _slow_prefill(pair, seconds: float) -> None:
+    """Every forward pass of the prefill engine takes ``seconds`` longer (on the engine thread)."""
+    import time
+
+    runner = pair.p_engine.core.runner
+    inner = runner.execute
+
+    def execute(seqs):
+        time.sleep(seconds)
+        return inner(seqs)
+
+    runner.execute = execute
+
+
+async def test_a_prefill_that_ends_after_its_callers_deadline_leases_nothing(started, prompt):
+    """The caller is gone (its deadline passed while the prefill ran): the KV is freed at once, not leased."""
+    from splitserve.errors import DeadlineExceeded
+
+    pair = await started()
+    _slow_prefill(pair, 0.15)
+    with pytest.raises(DeadlineExceeded, match="after its caller's deadline"):
+        await pair.prefill.prefill("late", prompt, GREEDY, time_remaining=0.05)
+    assert len(pair.prefill.leases) == 0
+
+
+async def test_a_lease_ends_with_its_callers_deadline(started, prompt, caplog):
+    """A lease outlives its caller's deadline by at most LEASE_DEADLINE_GRACE_S (was: the whole 30 s lease)."""
+    import logging
+
+    from splitserve.services.prefill.worker import LEASE_DEADLINE_GRACE_S
+
+    pair = await started(lease_s=30.0)
+    res = await pair.prefill.prefill("short", prompt, GREEDY, time_remaining=0.3)
+    assert res.handle.lease_ms <= (0.3 + LEASE_DEADLINE_GRACE_S) * 1000
+    assert len(pair.prefill.leases) == 1
+    with caplog.at_level(logging.INFO, logger="splitserve.services.prefill.kv_leases"):
+        await until(lambda: len(pair.prefill.leases) == 0, "lease ended with the caller's deadline", timeout_s=5.0)
+    assert any("ended with its caller's deadline" in r.getMessage() and r.levelno == logging.INFO for r in caplog.records)
+    res = await pair.prefill.prefill("long", prompt, GREEDY, time_remaining=120.0)
+    assert res.handle.lease_ms == 30000  # the configured lease is the upper bound
+    assert pair.prefill.release(res.handle.transfer_id)

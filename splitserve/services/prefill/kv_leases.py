@@ -27,21 +27,28 @@ class KVLeases:
     def __len__(self) -> int:
         return len(self._held)
 
-    def hold(self, transfer_id: str, blocks: OwnedBlocks) -> None:
-        """Serve ``blocks`` to one pull under ``transfer_id`` for at most ``lease_s``; consumes ``blocks``.
-        Raises ValueError (from the sender: a duplicate id) with ``blocks`` left to the caller."""
+    def hold(self, transfer_id: str, blocks: OwnedBlocks, lease_s: float | None = None) -> float:
+        """Serve ``blocks`` to one pull under ``transfer_id`` for at most ``lease_s`` seconds (default and upper
+        bound: the configured lease; shorter when the caller's deadline ends sooner); consumes ``blocks``.
+        Returns the lease granted (s). Raises ValueError (from the sender: a duplicate id) with ``blocks`` left
+        to the caller."""
+        granted = self._lease_s if lease_s is None else max(0.0, min(lease_s, self._lease_s))
         self._sender.register(transfer_id, blocks.block_ids, self._on_done)
-        timer = asyncio.get_running_loop().call_later(self._lease_s, self._expire, transfer_id)
+        timer = asyncio.get_running_loop().call_later(granted, self._expire, transfer_id, granted < self._lease_s)
         self._held[transfer_id] = (blocks.move(), timer)
+        return granted
 
     def _on_done(self, transfer_id: str, ok: bool) -> None:
         if not ok:
             logger.warning("KV transfer %s failed; freeing its blocks", transfer_id)
         self._drop(transfer_id)
 
-    def _expire(self, transfer_id: str) -> None:
+    def _expire(self, transfer_id: str, cut_by_deadline: bool = False) -> None:
         if self._sender.unregister(transfer_id):
-            logger.warning("KV lease expired for transfer %s: no decode worker pulled it", transfer_id)
+            if cut_by_deadline:  # the caller's deadline passed (e.g. it expired as prefill finished): expected, not a fault
+                logger.info("KV lease of transfer %s ended with its caller's deadline; blocks freed", transfer_id)
+            else:
+                logger.warning("KV lease expired for transfer %s: no decode worker pulled it", transfer_id)
             self.expired += 1
             KV_LEASES_EXPIRED.inc()
             self._drop(transfer_id)

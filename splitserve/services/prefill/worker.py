@@ -14,13 +14,14 @@ Lifecycle of one request (:meth:`PrefillWorker.prefill`):
 
 from __future__ import annotations
 
+import time
 import uuid
 from dataclasses import dataclass
 
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.owned_blocks import OwnedBlocks
 from splitserve.engine.sampling import SamplingParams
-from splitserve.errors import InvalidRequest
+from splitserve.errors import DeadlineExceeded, InvalidRequest
 from splitserve.kvstore.kv_blocks import tail_key
 from splitserve.services.prefill.kv_leases import KVLeases
 from splitserve.services.prefill.kv_store import PrefillStore
@@ -29,6 +30,8 @@ from splitserve.transfer.base import KVSender
 from splitserve.transfer.handle import KVHandle
 
 MAX_REQUEST_ID_LEN = 256
+#: a lease outlives its caller's deadline by at most this (s): time for a response sent just in time to be used
+LEASE_DEADLINE_GRACE_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +69,9 @@ class PrefillWorker:
                       time_remaining: float | None = None) -> PrefillResult:
         """Steps 1-4 for ``prompt`` (token ids); ``time_remaining``: seconds left of the caller's deadline.
         Cancel-safe (the engine aborts the prefill, blocks are freed). Raises InvalidRequest,
-        CapacityExhausted (the engine's KV queue)."""
+        CapacityExhausted (the engine's KV queue), DeadlineExceeded (the prefill finished after the caller's
+        deadline: its KV is freed at once, never leased)."""
+        deadline = None if time_remaining is None else time.monotonic() + time_remaining
         self.in_flight += 1
         try:
             if not request_id or len(request_id) > MAX_REQUEST_ID_LEN:
@@ -82,25 +87,32 @@ class PrefillWorker:
             handle = None
             if out.blocks is not None:
                 async with out.blocks as blocks:  # freed on exit unless a lease took them
-                    handle = await self._hand_over(request_id, prompt, out.cached_tokens, blocks)
+                    if deadline is not None and time.monotonic() >= deadline:  # nobody will take the handle
+                        raise DeadlineExceeded(f"prefill of {request_id} finished after its caller's deadline; KV freed")
+                    handle = await self._hand_over(request_id, prompt, out.cached_tokens, blocks, deadline)
         finally:
             self.in_flight -= 1
         self.num_requests += 1
         return PrefillResult(out.first_token_id, out.finish_reason, out.cached_tokens, handle)
 
-    async def _hand_over(self, request_id: str, prompt: list[int], cached_tokens: int, blocks: OwnedBlocks) -> KVHandle:
-        """Step 3: publish ``blocks`` to the store and/or hold them under a lease (consuming them)."""
+    async def _hand_over(self, request_id: str, prompt: list[int], cached_tokens: int, blocks: OwnedBlocks,
+                         deadline: float | None) -> KVHandle:
+        """Step 3: publish ``blocks`` to the store and/or hold them under a lease (consuming them). The lease ends
+        ``LEASE_DEADLINE_GRACE_S`` after the caller's ``deadline`` (monotonic s) at the latest: a caller that is
+        gone (its deadline expired as the prefill finished) leaves no KV held for the whole lease."""
         transfer_id = uuid.uuid4().hex
         block_ids = blocks.block_ids
         via_store = False
+        lease_s = self.lease_s
         if self.store is not None:
             via_store = await self.store.publish(prompt, cached_tokens, blocks, transfer_id)
         if not via_store:
-            self.leases.hold(transfer_id, blocks)
+            bound = None if deadline is None else deadline - time.monotonic() + LEASE_DEADLINE_GRACE_S
+            lease_s = self.leases.hold(transfer_id, blocks, bound)
         partial = len(prompt) % self.engine.layout.block_size
         return KVHandle(
             request_id, transfer_id, len(prompt), self.engine.layout, self.transport, self.endpoint, tuple(block_ids),
-            int(self.lease_s * 1000), via_store, tail_key(transfer_id) if via_store and partial else "",
+            int(lease_s * 1000), via_store, tail_key(transfer_id) if via_store and partial else "",
         )
 
     def release(self, transfer_id: str) -> bool:
