@@ -10,11 +10,12 @@ starts any of them.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import importlib
+import json
 import logging
 import os
+import shlex
 import signal
 import sys
 import time
@@ -36,7 +37,7 @@ commands:
   generate   stream a completion from a running router over gRPC
   bench      benchmark an endpoint; `bench compare` colocated vs disaggregated; `bench efficiency`
 
-`splitserve <command> --help` shows each command's options.
+`splitserve <command> --help` shows each command's options; `splitserve --version` the version.
 """
 
 
@@ -164,13 +165,17 @@ def _up(argv: list[str]) -> int:
 
 
 def _up_banner(config, cluster, http_port: int, grpc_port: int) -> str:
-    """What ``splitserve up`` prints once the cluster is healthy: endpoints, metrics, traces, store, examples."""
+    """What ``splitserve up`` prints once the cluster is healthy: endpoints, metrics, traces, store, and example
+    commands that work as printed (with an API key, in a shell where PD_API_KEY holds it; the key is never printed)."""
     from splitserve.launcher import store_health
     from splitserve.up_config import tls_env
 
     a, env = config, env_str
     base = f"http://{a.host}:{http_port}/v1"
-    auth = ' -H "Authorization: Bearer $PD_API_KEY"' if env("PD_API_KEY") else ""
+    auth = ' -H "Authorization: Bearer $PD_API_KEY"' if a.api_key else ""
+    key_note = "  # the API key: both commands read it from $PD_API_KEY (export PD_API_KEY=<the key>)\n" if a.api_key else ""
+    model_name = a.served_model_name or os.path.basename(a.model.rstrip("/")).removesuffix(".gguf")
+    body = json.dumps({"model": model_name, "prompt": "Once upon a time", "max_tokens": 48, "temperature": 0, "stream": True})
     store = (f"KV store ({a.kv_transfer_mode} KV transfer, {a.store_replicas} replica(s)):\n{store_health(cluster)}\n"
              if a.store_nodes else "KV store: off\n")
     tls = a.tls
@@ -185,10 +190,8 @@ def _up_banner(config, cluster, http_port: int, grpc_port: int) -> str:
         f"\nsplitserve is up: {a.num_prefill} prefill + {a.num_decode} decode workers, model {a.model}\n"
         f"  OpenAI API : {base}\n  gRPC       : {a.host}:{grpc_port} (pd.v1.RouterService){grpc_security}\n"
         f"  Metrics    : {metrics}\n  Traces     : {traces}\n{store}\n"
-        f"try:\n  curl -sN {base}/completions -H 'Content-Type: application/json'"
-        f"{auth} \\\n"
-        f"    -d '{{\"model\": \"{os.path.basename(a.model.rstrip('/')).removesuffix('.gguf')}\", \"prompt\": \"Once upon a time\", "
-        f"\"max_tokens\": 48, \"temperature\": 0, \"stream\": true}}'\n"
+        f"try:\n{key_note}  curl -sN {base}/completions -H 'Content-Type: application/json'"
+        f"{auth} \\\n    -d {shlex.quote(body)}\n"
         f"  splitserve generate --router {a.host}:{grpc_port}{generate_tls} \"Once upon a time\"\n\nCtrl-C stops the cluster.\n"
     )
 
@@ -196,19 +199,20 @@ def _up_banner(config, cluster, http_port: int, grpc_port: int) -> str:
 def _generate(argv: list[str]) -> int:
     import grpc
 
+    from splitserve.cli_help import SECRET_DEFAULT, new_parser
     from splitserve.client import RouterClient
     from splitserve.rpc.tls import add_tls_args, tls_config
 
-    ap = argparse.ArgumentParser(prog="splitserve generate", description="Stream a completion from a router over gRPC.")
-    ap.add_argument("prompt")
-    ap.add_argument("--router", default=env_str("PD_ROUTER_GRPC", "127.0.0.1:50050"), help="router gRPC host:port")
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--top-k", type=int, default=-1)
-    ap.add_argument("--seed", type=int)
-    ap.add_argument("--stop", action="append", default=[])
-    ap.add_argument("--api-key", default=env_str("PD_API_KEY"), help="router API key (prefer PD_API_KEY)")
+    ap = new_parser("splitserve generate", "Stream a completion from a router over gRPC.")
+    ap.add_argument("prompt", help="prompt text")
+    ap.add_argument("--router", default=env_str("PD_ROUTER_GRPC", "127.0.0.1:50050"), help="router gRPC host:port (PD_ROUTER_GRPC)")
+    ap.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate")
+    ap.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0: greedy")
+    ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: smallest token set with this probability mass")
+    ap.add_argument("--top-k", type=int, default=-1, help="sample among the k likeliest tokens; -1: all")
+    ap.add_argument("--seed", type=int, help="sampling seed (default: none, a random one)")
+    ap.add_argument("--stop", action="append", default=[], help="stop string (repeat the flag for several)")
+    ap.add_argument("--api-key", default=env_str("PD_API_KEY"), help=f"router API key; prefer PD_API_KEY {SECRET_DEFAULT}")
     add_tls_args(ap)
     a = ap.parse_args(argv)
     if a.max_tokens < 1:
@@ -234,11 +238,30 @@ def _generate(argv: list[str]) -> int:
     return 0
 
 
+def version() -> str:
+    """The installed package's version, or pyproject.toml's in a source tree that is not installed."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed_version
+
+    try:
+        return installed_version("splitserve")
+    except PackageNotFoundError:
+        import re
+
+        from splitserve.paths import REPO_ROOT
+
+        found = re.search(r'^version\s*=\s*"([^"]+)"', (REPO_ROOT / "pyproject.toml").read_text(), re.MULTILINE)
+        return found.group(1) if found else "unknown"
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         sys.exit(0 if argv else 2)
+    if argv[0] in ("-V", "--version"):
+        print(f"splitserve {version()}")
+        sys.exit(0)
     command, rest = argv[0], argv[1:]
     try:
         _run(command, rest)

@@ -66,6 +66,7 @@ class Child:
     argv: list[str]
     health: str  # "grpc:host:port" or "http://host:port/health"
     metrics: str = ""  # Prometheus endpoint, "http://host:port/metrics"
+    env: dict[str, str] = field(default_factory=dict)  # this process's variables on top of the cluster's
     proc: subprocess.Popen | None = None
     reported: bool = False
 
@@ -83,7 +84,7 @@ class Cluster:
 
     def start_child(self, child: Child, extra_env: dict[str, str] | None = None) -> None:
         """(Re)start one child process (e.g. a replacement for one that died)."""
-        env = {**os.environ, **self.env, **(extra_env or {}), "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, **self.env, **child.env, **(extra_env or {}), "PYTHONUNBUFFERED": "1"}
         for key, value in ucx_env_defaults().items():
             env.setdefault(key, value)
         child.reported = False
@@ -190,10 +191,13 @@ def build_cluster(
     *, model: str, num_prefill: int = 1, num_decode: int = 1, host: str = "127.0.0.1", http_port: int = 8000,
     grpc_port: int = 50050, worker_args: list[str] | None = None, env: dict[str, str] | None = None,
     store_nodes: int = 0, master_args: list[str] | None = None, node_args: list[str] | None = None,
-    router_args: list[str] | None = None,
+    router_args: list[str] | None = None, router_env: dict[str, str] | None = None,
 ) -> tuple[Cluster, int, int]:
     """Describe a cluster; ports 0 are replaced by free ones (workers' gRPC and /metrics ports are
     always free ones). Returns (cluster, http_port, grpc_port).
+
+    ``router_env`` adds environment variables for the router alone (e.g. PD_API_KEY: a secret stays off every
+    command line and out of the other processes).
 
     ``store_nodes`` > 0 adds a KV store master and that many storage nodes, and points every worker at the
     master (``--kvstore-master``); ``master_args``/``node_args`` go to those processes.
@@ -219,7 +223,8 @@ def build_cluster(
     router = [*py, "router", "--model", model, "--host", host, "--http-port", str(http_port), "--grpc-port", str(grpc_port),
               "--prefill", ",".join(prefill_addrs), "--decode", ",".join(decode_addrs), *(router_args or [])]
     children += store
-    children.append(Child("router", router, f"http://{host}:{http_port}/health", f"http://{host}:{http_port}/metrics"))
+    children.append(Child("router", router, f"http://{host}:{http_port}/health", f"http://{host}:{http_port}/metrics",
+                          env=dict(router_env or {})))
     return Cluster(children, env or {}), http_port, grpc_port
 
 
@@ -234,7 +239,7 @@ def up_cluster(config: UpConfig) -> tuple[Cluster, int, int]:
         model=config.model, num_prefill=config.num_prefill, num_decode=config.num_decode, host=config.host,
         http_port=config.http_port, grpc_port=config.grpc_port, worker_args=config.worker_args(),
         env=config.child_env(), store_nodes=config.store_nodes, master_args=["--replicas", str(config.store_replicas)],
-        node_args=["--segment-mb", str(config.store_mb)], router_args=["--policy", config.policy, "--disagg", config.disagg],
+        node_args=["--segment-mb", str(config.store_mb)], router_args=config.router_args(), router_env=config.router_env(),
     )
 
 

@@ -7,10 +7,10 @@ checked by that process's config afterwards (``splitserve up`` does it before st
 
 from __future__ import annotations
 
-import argparse
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from splitserve.cli_help import SECRET_DEFAULT, new_parser
 from splitserve.env import env_choice, env_float, env_int, env_str
 from splitserve.paths import default_model_path
 from splitserve.rpc.shutdown import DEFAULT_GRACE_S
@@ -33,6 +33,9 @@ class UpConfig:
     store_nodes: KV store storage nodes (0: no store, no master). store_mb: segment per node, MiB.
     store_replicas: copies per object, on distinct nodes (<= store_nodes).
     policy, disagg: the router's worker selection and its disaggregation rule (checked by the router's config).
+    served_model_name: the name the router answers to (None: the model folder's or file's name).
+    api_key: the router's Bearer key for its HTTP API and RouterService (None: open); given to the router in its
+        environment (PD_API_KEY), never on a command line.
     shutdown_grace_s: on Ctrl-C/SIGTERM, in-flight requests may finish within this many seconds.
     otlp_endpoint: where every process exports OpenTelemetry traces; None: tracing as the environment says.
     tls: one TLS configuration for every gRPC server and channel of the cluster (store included).
@@ -59,6 +62,8 @@ class UpConfig:
     shutdown_grace_s: float = DEFAULT_GRACE_S
     otlp_endpoint: str | None = None
     tls: TlsConfig = TlsConfig()
+    served_model_name: str | None = None
+    api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.num_prefill < 1 or self.num_decode < 1:
@@ -82,6 +87,15 @@ class UpConfig:
         """Flags every prefill and decode worker gets."""
         return ["--transport", self.transport, "--block-size", str(self.block_size), "--kv-cache-mb",
                 str(self.kv_cache_mb), "--kv-transfer-mode", self.kv_transfer_mode]
+
+    def router_args(self) -> list[str]:
+        """Flags the router gets on top of its addresses and ports."""
+        name = ["--served-model-name", self.served_model_name] if self.served_model_name else []
+        return ["--policy", self.policy, "--disagg", self.disagg, *name]
+
+    def router_env(self) -> dict[str, str]:
+        """Variables only the router gets: its API key (an environment variable is not visible in ``ps``)."""
+        return {"PD_API_KEY": self.api_key} if self.api_key else {}
 
     def trace_env(self) -> dict[str, str]:
         """OTEL_* variables that make every child export traces to ``otlp_endpoint`` (none when it is None)."""
@@ -114,16 +128,26 @@ def parse(argv: list[str] | None = None) -> UpConfig:
         ValueError: a value :class:`UpConfig` or TLS refuses; :class:`~splitserve.env.EnvError` for a bad PD_* value.
         SystemExit: argparse's usage errors (2) and ``--help`` (0).
     """
-    ap = argparse.ArgumentParser(prog="splitserve up", description="Start a local disaggregated cluster.")
-    ap.add_argument("--model", default=env_str("PD_MODEL", str(default_model_path())))
+    ap = new_parser("splitserve up", "Start a local disaggregated cluster.")
+    ap.add_argument("--model", default=env_str("PD_MODEL", str(default_model_path())),
+                    help="HF model folder, .gguf file or synthetic:NAME, for every process (PD_MODEL)")
+    ap.add_argument("--served-model-name", default=env_str("PD_SERVED_MODEL_NAME"),
+                    help="model name the API answers to (PD_SERVED_MODEL_NAME; default: the model folder's or file's name)")
+    ap.add_argument("--api-key", default=env_str("PD_API_KEY"),
+                    help="require Authorization: Bearer <key> on the router's HTTP API and RouterService; prefer setting "
+                         f"PD_API_KEY (a flag shows in ps) {SECRET_DEFAULT}")
     ap.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
     ap.add_argument("--decode", type=int, default=1, help="number of decode workers")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--http-port", type=int, default=env_int("PD_HTTP_PORT", 8000))
-    ap.add_argument("--grpc-port", type=int, default=env_int("PD_GRPC_PORT", 50050))
-    ap.add_argument("--transport", default=env_choice("PD_KV_TRANSPORT", TRANSPORTS, "ucx"), choices=TRANSPORTS)
-    ap.add_argument("--block-size", type=int, default=env_int("PD_BLOCK_SIZE", 16))
-    ap.add_argument("--kv-cache-mb", type=int, default=env_int("PD_KV_CACHE_MB", 256))
+    ap.add_argument("--host", default="127.0.0.1", help="address every process listens on")
+    ap.add_argument("--http-port", type=int, default=env_int("PD_HTTP_PORT", 8000),
+                    help="router's OpenAI HTTP port (PD_HTTP_PORT; 0: any free port)")
+    ap.add_argument("--grpc-port", type=int, default=env_int("PD_GRPC_PORT", 50050),
+                    help="router's gRPC port, pd.v1.RouterService (PD_GRPC_PORT; 0: any free port)")
+    ap.add_argument("--transport", default=env_choice("PD_KV_TRANSPORT", TRANSPORTS, "ucx"), choices=TRANSPORTS,
+                    help="KV transfer backend between workers (PD_KV_TRANSPORT)")
+    ap.add_argument("--block-size", type=int, default=env_int("PD_BLOCK_SIZE", 16), help="tokens per KV block (PD_BLOCK_SIZE)")
+    ap.add_argument("--kv-cache-mb", type=int, default=env_int("PD_KV_CACHE_MB", 256),
+                    help="KV block pool of each worker, MiB (PD_KV_CACHE_MB)")
     ap.add_argument("--store-nodes", type=int, default=env_int("PD_KVSTORE_NODES", 1),
                     help="KV store storage nodes (with a master); prefix blocks are reused across requests")
     ap.add_argument("--no-store", action="store_true", help="run without the KV store (no master, no storage nodes)")
@@ -151,5 +175,5 @@ def parse(argv: list[str] | None = None) -> UpConfig:
         grpc_port=a.grpc_port, transport=a.transport, block_size=a.block_size, kv_cache_mb=a.kv_cache_mb,
         kv_transfer_mode=a.kv_transfer_mode, store_nodes=0 if a.no_store else a.store_nodes, store_mb=a.store_mb,
         store_replicas=a.store_replicas, policy=a.policy, disagg=a.disagg, shutdown_grace_s=a.shutdown_grace_s,
-        otlp_endpoint=otlp, tls=tls_config(a),
+        otlp_endpoint=otlp, tls=tls_config(a), served_model_name=a.served_model_name, api_key=a.api_key,
     )

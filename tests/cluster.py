@@ -16,15 +16,15 @@ TEST_ENV = {"UCX_NET_DEVICES": "lo", "PD_LOG_LEVEL": "WARNING"}
 
 
 def start_cluster(num_prefill=1, num_decode=1, worker_args=None, model=None, store_nodes=1, master_args=None,
-                  node_args=None, env=None, router_args=None) -> tuple[Cluster, str, str]:
+                  node_args=None, env=None, router_args=None, router_env=None) -> tuple[Cluster, str, str]:
     """Returns (cluster, http base url, router grpc address); caller stops the cluster. Like `splitserve up`,
     it includes a KV store (master + ``store_nodes`` storage nodes of 32 MiB) unless ``store_nodes=0``.
-    ``env`` adds environment variables for every process."""
+    ``env`` adds environment variables for every process, ``router_env`` for the router alone."""
     cluster, http_port, grpc_port = build_cluster(
         model=str(model or default_model_path()), num_prefill=num_prefill, num_decode=num_decode,
         http_port=0, grpc_port=0, worker_args=worker_args or ["--kv-cache-mb", "64"], env={**TEST_ENV, **(env or {})},
         store_nodes=store_nodes, master_args=master_args, node_args=node_args or ["--segment-mb", "32"],
-        router_args=router_args,
+        router_args=router_args, router_env=router_env,
     )
     cluster.start()
     try:

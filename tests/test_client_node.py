@@ -5,6 +5,7 @@ status codes for bad input."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from splitserve.client import RouterClient
+from tests.cluster import start_cluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
@@ -65,3 +67,20 @@ def test_node_client_sees_grpc_status_codes(cluster, node_client):
     assert out.returncode == 1 and out.stderr.startswith("error: INVALID_ARGUMENT:"), out.stderr
     out = run_node(node_client, "--router", "127.0.0.1:1", "--deadline-ms", "3000", "hi")
     assert out.returncode == 1 and out.stderr.startswith(("error: UNAVAILABLE:", "error: DEADLINE_EXCEEDED:")), out.stderr
+
+
+def test_node_client_sends_the_api_key(node_client):
+    """A router started with an API key: the key from --api-key or PD_API_KEY passes, none is UNAUTHENTICATED."""
+    cluster, _, router_grpc = start_cluster(store_nodes=0, router_env={"PD_API_KEY": "node-key-3c9"})
+    try:
+        out = run_node(node_client, "--router", router_grpc, "--max-tokens", "4", "--api-key", "node-key-3c9", "hi")
+        assert out.returncode == 0 and out.stdout.strip(), out.stderr
+        env = {**os.environ, "PD_API_KEY": "node-key-3c9"}
+        out = subprocess.run([*node_client, "--router", router_grpc, "--max-tokens", "4", "hi"], capture_output=True,
+                             text=True, timeout=120, env=env)
+        assert out.returncode == 0 and out.stdout.strip(), out.stderr
+        env.pop("PD_API_KEY")
+        out = subprocess.run([*node_client, "--router", router_grpc, "hi"], capture_output=True, text=True, timeout=120, env=env)
+        assert out.returncode == 1 and out.stderr.startswith("error: UNAUTHENTICATED:"), out.stderr
+    finally:
+        cluster.stop()

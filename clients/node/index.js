@@ -31,7 +31,8 @@ class RouterClient {
    * the last one has finish_reason set and usage. Rejects with a grpc ServiceError (err.code, err.details)
    * on INVALID_ARGUMENT, UNAVAILABLE, ... or when deadlineMs passes.
    * @param {string} prompt
-   * @param {{max_tokens?: number, temperature?: number, top_p?: number, top_k?: number, seed?: number, stop?: string[], deadlineMs?: number}} opts
+   * `apiKey` is sent as `authorization: Bearer <key>` metadata (a router started with an API key requires it).
+   * @param {{max_tokens?: number, temperature?: number, top_p?: number, top_k?: number, seed?: number, stop?: string[], deadlineMs?: number, apiKey?: string}} opts
    */
   async *generate(prompt, opts = {}) {
     const sampling = {
@@ -43,7 +44,9 @@ class RouterClient {
     if (opts.seed !== undefined) sampling.seed = String(opts.seed);
     const request = { prompt, sampling, stop: opts.stop ?? [] };
     const callOptions = opts.deadlineMs ? { deadline: Date.now() + opts.deadlineMs } : {};
-    const call = this.stub.Generate(request, callOptions);
+    const metadata = new grpc.Metadata();
+    if (opts.apiKey) metadata.set('authorization', `Bearer ${opts.apiKey}`);
+    const call = this.stub.Generate(request, metadata, callOptions);
     try {
       for await (const response of call) yield response;
     } finally {

@@ -9,6 +9,7 @@ import os
 import sys
 from pathlib import Path
 
+from splitserve.cli_help import new_parser
 from splitserve.env import env_str
 from splitserve.bench import arrivals as arr
 from splitserve.bench import workloads as wl
@@ -39,15 +40,16 @@ def add_workload_args(ap: argparse.ArgumentParser) -> None:
                     help="model path or synthetic:NAME (its tokenizer builds prompts; its name is the request's model); "
                          "default: bench, the model the endpoint serves (GET /v1/models); compare, " + DEFAULT_COMPARE_MODEL)
     ap.add_argument("--served-model-name", help="model name the server answers to (default: from --model)")
-    ap.add_argument("--workload", choices=["mixed", "fixed", "mooncake", "azure"], default="mixed")
+    ap.add_argument("--workload", choices=["mixed", "fixed", "mooncake", "azure"], default="mixed",
+                    help="mixed: interactive chats and documents; fixed: one prompt/output size; mooncake, azure: trace replay")
     ap.add_argument("--num-requests", type=int, default=60, help="requests (for traces: the most to replay)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="seed of prompts and arrival times")
     g = ap.add_argument_group("synthetic workloads")
     g.add_argument("--document-every", type=int, default=4, help="mixed: every N-th request after the first 8 is a document")
-    g.add_argument("--interactive-prompt", type=_range, default=(32, 128), help="LO:HI tokens")
-    g.add_argument("--interactive-output", type=_range, default=(96, 160), help="LO:HI tokens")
-    g.add_argument("--document-prompt", type=_range, default=(1024, 1536), help="LO:HI tokens")
-    g.add_argument("--document-output", type=_range, default=(8, 16), help="LO:HI tokens")
+    g.add_argument("--interactive-prompt", type=_range, default="32:128", help="mixed: interactive prompt tokens, LO:HI")
+    g.add_argument("--interactive-output", type=_range, default="96:160", help="mixed: interactive output tokens, LO:HI")
+    g.add_argument("--document-prompt", type=_range, default="1024:1536", help="mixed: document prompt tokens, LO:HI")
+    g.add_argument("--document-output", type=_range, default="8:16", help="mixed: document output tokens, LO:HI")
     g.add_argument("--prompt-tokens", type=int, default=128, help="fixed: prompt tokens")
     g.add_argument("--output-tokens", type=int, default=64, help="fixed: output tokens")
     t = ap.add_argument_group("trace replay")
@@ -66,7 +68,7 @@ def add_workload_args(ap: argparse.ArgumentParser) -> None:
     s.add_argument("--slo-ttft-ms", type=float, default=None, help="TTFT SLO for goodput (ms)")
     s.add_argument("--slo-tpot-ms", type=float, default=None, help="TPOT SLO for goodput (ms)")
     s.add_argument("--out", help="output folder (default bench-out/<name>-<time>)")
-    s.add_argument("--timeout-s", type=float, default=600.0, help="per-request timeout")
+    s.add_argument("--timeout-s", type=float, default=600.0, help="per-request timeout, seconds")
     s.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -134,8 +136,7 @@ def run_main(argv: list[str]) -> int:
     """``splitserve bench``: one endpoint."""
     from splitserve.bench.client import run_requests
 
-    ap = argparse.ArgumentParser(prog="splitserve bench", description="Benchmark an OpenAI-compatible endpoint.", epilog=USAGE,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = new_parser("splitserve bench", "Benchmark an OpenAI-compatible endpoint.", epilog=USAGE)
     ap.add_argument("--url", default=env_str("PD_BENCH_URL", "http://127.0.0.1:8000"), help="server base URL")
     ap.add_argument("--label", default="server", help="name of this configuration in the report")
     add_workload_args(ap)
@@ -187,17 +188,17 @@ def compare_main(argv: list[str]) -> int:
     """``splitserve bench compare``: every configuration in turn, one table."""
     from splitserve.bench.compare import CONFIGS, ServerSettings, run_config, targets
 
-    ap = argparse.ArgumentParser(prog="splitserve bench compare",
-                                 description="Run one workload on colocated (unchunked, chunked) and disaggregated servers in turn.")
+    ap = new_parser("splitserve bench compare",
+                    "Run one workload on colocated (unchunked, chunked) and disaggregated servers in turn.")
     add_workload_args(ap)
     ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {', '.join(CONFIGS)}")
     ap.add_argument("--max-num-batched-tokens", type=int, default=256, help="chunked prefill: token budget per step")
-    ap.add_argument("--kv-cache-mb", type=int, default=512)
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--kv-cache-mb", type=int, default=512, help="KV block pool of each server, MiB")
+    ap.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    ap.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one batch")
     ap.add_argument("--colocated-cpus", default="0,1", help="CPUs of the colocated server (torch threads = their count)")
-    ap.add_argument("--prefill-cpus", default="0")
-    ap.add_argument("--decode-cpus", default="1")
+    ap.add_argument("--prefill-cpus", default="0", help="CPUs of the prefill worker (taskset list)")
+    ap.add_argument("--decode-cpus", default="1", help="CPUs of the decode worker (taskset list)")
     ap.add_argument("--skip-efficiency", action="store_true", help="do not measure engine efficiency first")
     ap.add_argument("--nice", type=int, default=None,
                     help="nice value for the servers and this client (e.g. -10 on a shared machine; negative needs root)")
@@ -258,8 +259,8 @@ def efficiency_main(argv: list[str]) -> int:
     from splitserve.bench.efficiency import format_rows, measure
     from splitserve.model import load_model
 
-    ap = argparse.ArgumentParser(prog="splitserve bench efficiency", description="Engine efficiency vs this CPU's limits.")
-    ap.add_argument("--model", default=env_str("PD_MODEL", "synthetic:llama-25m"))
+    ap = new_parser("splitserve bench efficiency", "Engine efficiency vs this CPU's limits.")
+    ap.add_argument("--model", default=env_str("PD_MODEL", "synthetic:llama-25m"), help="model folder, .gguf file or synthetic:NAME")
     ap.add_argument("--threads", default="1,2", help="torch thread counts to measure")
     ap.add_argument("--batch", type=int, default=8, help="decode batch size")
     ap.add_argument("--context", type=int, default=512, help="decode context tokens per sequence")

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from pd.v1 import router_pb2_grpc
 
+from splitserve.cli_help import SECRET_DEFAULT, new_parser
 from splitserve.env import env_int, env_str
 from splitserve.config_checks import check_port
 from splitserve.engine.args import add_engine_args, engine_config
@@ -74,14 +75,17 @@ async def serve(args: argparse.Namespace) -> None:
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    """The command line (``--help`` and usage errors exit 2). Raises ValueError for bad settings."""
-    ap = argparse.ArgumentParser(prog="splitserve colocated", description="Serve prefill and decode in one process.")
+    """The command line (``--help`` exits 0, usage errors exit 2). Raises ValueError for bad settings."""
+    ap = new_parser("splitserve colocated", "Serve prefill and decode in one process.")
     add_engine_args(ap)
-    ap.add_argument("--served-model-name", default=env_str("PD_SERVED_MODEL_NAME"))
-    ap.add_argument("--host", default=env_str("PD_HOST", "127.0.0.1"))
-    ap.add_argument("--http-port", type=int, default=env_int("PD_HTTP_PORT", 8000))
-    ap.add_argument("--grpc-port", type=int, default=env_int("PD_GRPC_PORT", 50050))
-    ap.add_argument("--api-key", default=env_str("PD_API_KEY"), help="require Authorization: Bearer <key> (prefer PD_API_KEY)")
+    ap.add_argument("--served-model-name", default=env_str("PD_SERVED_MODEL_NAME"),
+                    help="model name the API answers to (default: the model folder's or file's name)")
+    ap.add_argument("--host", default=env_str("PD_HOST", "127.0.0.1"), help="address the HTTP and gRPC servers listen on")
+    ap.add_argument("--http-port", type=int, default=env_int("PD_HTTP_PORT", 8000), help="OpenAI HTTP API port (0: any free port)")
+    ap.add_argument("--grpc-port", type=int, default=env_int("PD_GRPC_PORT", 50050),
+                    help="gRPC port of pd.v1.RouterService (0: any free port)")
+    ap.add_argument("--api-key", default=env_str("PD_API_KEY"),
+                    help=f"require Authorization: Bearer <key>; prefer PD_API_KEY {SECRET_DEFAULT}")
     add_tls_args(ap)
     add_keepalive_args(ap)
     add_shutdown_args(ap)

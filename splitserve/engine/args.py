@@ -23,14 +23,14 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-queue-wait-s", type=float, default=env_float("PD_MAX_QUEUE_WAIT_S", 30.0),
                     help="longest wait for free KV blocks before RESOURCE_EXHAUSTED (inf = no bound; a deadline or "
                          "cancel still ends the wait)")
-    ap.add_argument("--max-num-seqs", type=int, default=env_int("PD_MAX_NUM_SEQS", 64))
+    ap.add_argument("--max-num-seqs", type=int, default=env_int("PD_MAX_NUM_SEQS", 64), help="most sequences in one batch")
     ap.add_argument("--max-num-batched-tokens", type=int, default=env_int("PD_MAX_NUM_BATCHED_TOKENS", 4096),
                     help="prompt tokens per prefill batch; with --enable-chunked-prefill, tokens per step (budget)")
     ap.add_argument("--enable-chunked-prefill", action="store_true",
                     default=env_bool("PD_ENABLE_CHUNKED_PREFILL"),
                     help="mix running decodes and prompt chunks in each step (Sarathi-style token budget)")
-    ap.add_argument("--torch-threads", type=int, default=env_int("PD_TORCH_THREADS", 1))
-    ap.add_argument("--transport", default=env_choice("PD_KV_TRANSPORT", TRANSPORTS, "ucx"), choices=TRANSPORTS)
+    ap.add_argument("--torch-threads", type=int, default=env_int("PD_TORCH_THREADS", 1), help="intra-op threads of torch")
+    ap.add_argument("--transport", default=env_choice("PD_KV_TRANSPORT", TRANSPORTS, "ucx"), choices=TRANSPORTS, help="KV transfer backend")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

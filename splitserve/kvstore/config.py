@@ -46,10 +46,14 @@ class StoreClientConfig:
 
 def add_store_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--kvstore-master", default=env_str("PD_KVSTORE_MASTER", ""), help="KV store master host:port (empty: no store)")
-    ap.add_argument("--kv-transfer-mode", default=env_choice("PD_KV_TRANSFER_MODE", TRANSFER_MODES, "direct"), choices=TRANSFER_MODES)
-    ap.add_argument("--kvstore-salt", default=env_str("PD_KVSTORE_SALT", ""))
-    ap.add_argument("--kvstore-io-timeout-s", type=float, default=env_float("PD_KVSTORE_IO_TIMEOUT_S", 5.0))
-    ap.add_argument("--kvstore-wait-s", type=float, default=env_float("PD_KVSTORE_WAIT_S", 10.0))
+    ap.add_argument("--kv-transfer-mode", default=env_choice("PD_KV_TRANSFER_MODE", TRANSFER_MODES, "direct"), choices=TRANSFER_MODES,
+                    help="direct: decode pulls KV from prefill over UCX; store: through the KV store")
+    ap.add_argument("--kvstore-salt", default=env_str("PD_KVSTORE_SALT", ""),
+                    help="extra namespace of block hashes in the store (e.g. a weights revision)")
+    ap.add_argument("--kvstore-io-timeout-s", type=float, default=env_float("PD_KVSTORE_IO_TIMEOUT_S", 5.0),
+                    help="seconds one UCX read or write of store objects may take")
+    ap.add_argument("--kvstore-wait-s", type=float, default=env_float("PD_KVSTORE_WAIT_S", 10.0),
+                    help="store mode: seconds a decode worker waits for blocks its prefill worker is still writing")
 
 
 def store_config(a: argparse.Namespace) -> StoreClientConfig:

@@ -65,8 +65,8 @@ class WorkerConfig:
 def add_worker_args(ap: argparse.ArgumentParser, *, port_env: str, port: int) -> None:
     """The flags of every :class:`WorkerConfig` field; ``--port`` defaults to ``$port_env`` or ``port``."""
     add_engine_args(ap)
-    ap.add_argument("--host", default=env_str("PD_HOST", "127.0.0.1"))
-    ap.add_argument("--port", type=int, default=env_int(port_env, port))
+    ap.add_argument("--host", default=env_str("PD_HOST", "127.0.0.1"), help="address the gRPC server listens on")
+    ap.add_argument("--port", type=int, default=env_int(port_env, port), help=f"gRPC port ({port_env}; 0: any free port)")
     add_store_args(ap)
     ap.add_argument("--metrics-port", type=int, default=env_int("PD_METRICS_PORT", 0), help="HTTP /metrics port; 0 = any free, -1 = off")
     add_tls_args(ap)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from splitserve.cli_help import new_parser
 from splitserve.env import env_bool, env_choice, env_float
 from splitserve.services.worker_config import WorkerConfig, add_worker_args, worker_fields
 
@@ -29,9 +30,10 @@ class DecodeConfig(WorkerConfig):
 
 
 def parse(argv: list[str] | None = None) -> DecodeConfig:
-    ap = argparse.ArgumentParser(prog="splitserve decode", description="Run a decode worker.")
+    ap = new_parser("splitserve decode", "Run a decode worker.")
     add_worker_args(ap, port_env="PD_DECODE_PORT", port=50071)
-    ap.add_argument("--kv-transfer-timeout-s", type=float, default=env_float("PD_KV_TRANSFER_TIMEOUT_S", 10.0))
+    ap.add_argument("--kv-transfer-timeout-s", type=float, default=env_float("PD_KV_TRANSFER_TIMEOUT_S", 10.0),
+                    help="seconds a KV pull may take; a slower one fails (then --kv-transfer-failure applies)")
     ap.add_argument("--kv-transfer-failure", choices=KV_TRANSFER_FAILURES,
                     default=env_choice("PD_KV_TRANSFER_FAILURE", KV_TRANSFER_FAILURES, "fallback"),
                     help="when a KV pull fails: recompute the prompt here (fallback) or fail the request (error)")

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 
+from splitserve.cli_help import new_parser
 from splitserve.config_checks import check_port
 from splitserve.env import env_float, env_int, env_str
 from splitserve.errors import InvalidRequest
@@ -35,13 +35,15 @@ class PrefillConfig(WorkerConfig):
 
 
 def parse(argv: list[str] | None = None) -> PrefillConfig:
-    ap = argparse.ArgumentParser(prog="splitserve prefill", description="Run a prefill worker.")
+    ap = new_parser("splitserve prefill", "Run a prefill worker.")
     add_worker_args(ap, port_env="PD_PREFILL_PORT", port=50061)
-    ap.add_argument("--data-host", default=env_str("PD_DATA_HOST", "127.0.0.1"))
-    ap.add_argument("--data-port", type=int, default=env_int("PD_DATA_PORT", 0))
+    ap.add_argument("--data-host", default=env_str("PD_DATA_HOST", "127.0.0.1"),
+                    help="address of the UCX endpoint decode workers pull KV from")
+    ap.add_argument("--data-port", type=int, default=env_int("PD_DATA_PORT", 0), help="port of that UCX endpoint (0: any free port)")
     ap.add_argument("--data-advertise", default=env_str("PD_DATA_ADVERTISE"),
                     help="host:port decode workers pull KV from, when it differs from the listening address (NAT)")
-    ap.add_argument("--kv-lease-s", type=float, default=env_float("PD_KV_LEASE_S", 30.0))
+    ap.add_argument("--kv-lease-s", type=float, default=env_float("PD_KV_LEASE_S", 30.0),
+                    help="seconds a prompt's KV blocks are held for a decode worker to pull; then they are freed")
     a = ap.parse_args(argv)
     return PrefillConfig(**worker_fields(a), data_host=a.data_host, data_port=a.data_port,
                          data_advertise=a.data_advertise, kv_lease_s=a.kv_lease_s)

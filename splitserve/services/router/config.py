@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from splitserve.cli_help import SECRET_DEFAULT, new_parser
 from splitserve.env import EnvError, env_bool, env_float, env_int, env_str
 from splitserve.config_checks import check_port
 from splitserve.paths import default_model_path
@@ -81,30 +82,36 @@ def _optional_float_env(name: str, default: str | None) -> float | None:
 
 
 def parse(argv: list[str] | None = None) -> RouterConfig:
-    ap = argparse.ArgumentParser(prog="splitserve router", description="Run the router (OpenAI HTTP + gRPC front door).")
+    ap = new_parser("splitserve router", "Run the router (OpenAI HTTP + gRPC front door).")
     ap.add_argument("--model", default=env_str("PD_MODEL", str(default_model_path())), help="model folder/file (tokenizer, chat template)")
-    ap.add_argument("--served-model-name", default=env_str("PD_SERVED_MODEL_NAME"))
-    ap.add_argument("--prefill", type=_addresses, default=_addresses(env_str("PD_PREFILL_ADDRS", "127.0.0.1:50061")),
-                    help="comma-separated host:port")
-    ap.add_argument("--decode", type=_addresses, default=_addresses(env_str("PD_DECODE_ADDRS", "127.0.0.1:50071")), help="comma-separated host:port")
-    ap.add_argument("--host", default=env_str("PD_HOST", "127.0.0.1"))
-    ap.add_argument("--http-port", type=int, default=env_int("PD_HTTP_PORT", 8000))
-    ap.add_argument("--grpc-port", type=int, default=env_int("PD_GRPC_PORT", 50050))
-    ap.add_argument("--prefill-timeout-s", type=float, default=env_float("PD_PREFILL_TIMEOUT_S", 60.0))
+    ap.add_argument("--served-model-name", default=env_str("PD_SERVED_MODEL_NAME"),
+                    help="model name the API answers to (default: the model folder's or file's name)")
+    ap.add_argument("--prefill", type=_addresses, default=env_str("PD_PREFILL_ADDRS", "127.0.0.1:50061"),
+                    help="prefill workers' gRPC addresses, comma-separated host:port")
+    ap.add_argument("--decode", type=_addresses, default=env_str("PD_DECODE_ADDRS", "127.0.0.1:50071"),
+                    help="decode workers' gRPC addresses, comma-separated host:port")
+    ap.add_argument("--host", default=env_str("PD_HOST", "127.0.0.1"), help="address the HTTP and gRPC servers listen on")
+    ap.add_argument("--http-port", type=int, default=env_int("PD_HTTP_PORT", 8000), help="OpenAI HTTP API port (0: any free port)")
+    ap.add_argument("--grpc-port", type=int, default=env_int("PD_GRPC_PORT", 50050),
+                    help="gRPC port of pd.v1.RouterService (0: any free port)")
+    ap.add_argument("--prefill-timeout-s", type=float, default=env_float("PD_PREFILL_TIMEOUT_S", 60.0),
+                    help="seconds one prefill call may take before it is retried on another worker")
     ap.add_argument("--policy", default=env_str("PD_ROUTING_POLICY", "round_robin"), help="round_robin | least_loaded | prefix_aware")
     ap.add_argument("--disagg", default=env_str("PD_DISAGG", "always"),
                     help="always (remote prefill), auto (measured cost model), or N: prefill prompts with < N uncached tokens on the decode worker")
     ap.add_argument("--poll-interval-s", type=float, default=env_float("PD_POLL_INTERVAL_S", 1.0), help="worker heartbeat period")
     ap.add_argument("--miss-limit", type=int, default=env_int("PD_MISS_LIMIT", 2), help="missed heartbeats before a worker is marked down")
-    ap.add_argument("--prefill-attempts", type=int, default=env_int("PD_PREFILL_ATTEMPTS", 2))
-    ap.add_argument("--decode-attempts", type=int, default=env_int("PD_DECODE_ATTEMPTS", 2))
+    ap.add_argument("--prefill-attempts", type=int, default=env_int("PD_PREFILL_ATTEMPTS", 2),
+                    help="distinct prefill workers tried per request before the fallback")
+    ap.add_argument("--decode-attempts", type=int, default=env_int("PD_DECODE_ATTEMPTS", 2),
+                    help="distinct decode workers tried per request before its stream starts")
     ap.add_argument("--local-prefill-fallback", action=argparse.BooleanOptionalAction,
                     default=env_bool("PD_LOCAL_PREFILL_FALLBACK", True),
                     help="when no prefill worker succeeds, let the decode worker prefill")
     ap.add_argument("--request-timeout-s", type=_optional_float, default=_optional_float_env("PD_REQUEST_TIMEOUT_S", None),
                     help="deadline of each HTTP request (0 or unset: none)")
     ap.add_argument("--api-key", default=env_str("PD_API_KEY"),
-                    help="require Authorization: Bearer <key> on the HTTP API and RouterService (prefer PD_API_KEY)")
+                    help=f"require Authorization: Bearer <key> on the HTTP API and RouterService; prefer PD_API_KEY {SECRET_DEFAULT}")
     ap.add_argument("--decode-stall-timeout-s", type=_optional_float, default=_optional_float_env("PD_DECODE_STALL_TIMEOUT_S", "60"),
                     help="a decode stream with no message for this long fails (failover before its first token); 0: off")
     add_tls_args(ap)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 
+from splitserve.cli_help import new_parser
 from splitserve.env import env_float, env_int, env_str
 from splitserve.rpc.tls import TlsConfig, add_tls_args, tls_config
 from splitserve.config_checks import check_port
@@ -66,17 +66,23 @@ class MasterConfig:
 
 def parse(argv: list[str] | None = None) -> MasterConfig:
     d = MasterConfig()
-    ap = argparse.ArgumentParser(prog="splitserve kvstore-master", description="Run the KV store metadata master.")
-    ap.add_argument("--host", default=env_str("PD_HOST", d.host))
-    ap.add_argument("--port", type=int, default=env_int("PD_KVSTORE_MASTER_PORT", d.port))
+    ap = new_parser("splitserve kvstore-master", "Run the KV store metadata master.")
+    ap.add_argument("--host", default=env_str("PD_HOST", d.host), help="address the gRPC server listens on")
+    ap.add_argument("--port", type=int, default=env_int("PD_KVSTORE_MASTER_PORT", d.port), help="gRPC port (0: any free port)")
     ap.add_argument("--replicas", type=int, default=env_int("PD_KVSTORE_REPLICAS", d.default_replicas),
                     help="default copies per object, on distinct storage nodes")
-    ap.add_argument("--lease-s", type=float, default=env_float("PD_KVSTORE_LEASE_S", d.lease_s))
-    ap.add_argument("--put-timeout-s", type=float, default=env_float("PD_KVSTORE_PUT_TIMEOUT_S", d.put_timeout_s))
-    ap.add_argument("--heartbeat-interval-s", type=float, default=env_float("PD_KVSTORE_HEARTBEAT_INTERVAL_S", d.heartbeat_interval_s))
-    ap.add_argument("--heartbeat-timeout-s", type=float, default=env_float("PD_KVSTORE_HEARTBEAT_TIMEOUT_S", d.heartbeat_timeout_s))
-    ap.add_argument("--evict-high", type=float, default=env_float("PD_KVSTORE_EVICT_HIGH", d.evict_high))
-    ap.add_argument("--evict-low", type=float, default=env_float("PD_KVSTORE_EVICT_LOW", d.evict_low))
+    ap.add_argument("--lease-s", type=float, default=env_float("PD_KVSTORE_LEASE_S", d.lease_s),
+                    help="seconds a read lease blocks removal and eviction of the objects read")
+    ap.add_argument("--put-timeout-s", type=float, default=env_float("PD_KVSTORE_PUT_TIMEOUT_S", d.put_timeout_s),
+                    help="seconds after which an unfinished write is a zombie: its space is reclaimed")
+    ap.add_argument("--heartbeat-interval-s", type=float, default=env_float("PD_KVSTORE_HEARTBEAT_INTERVAL_S", d.heartbeat_interval_s),
+                    help="seconds between storage node heartbeats")
+    ap.add_argument("--heartbeat-timeout-s", type=float, default=env_float("PD_KVSTORE_HEARTBEAT_TIMEOUT_S", d.heartbeat_timeout_s),
+                    help="seconds of silence after which a storage node is dead and its replicas are dropped")
+    ap.add_argument("--evict-high", type=float, default=env_float("PD_KVSTORE_EVICT_HIGH", d.evict_high),
+                    help="eviction starts when a write would fill a segment above this fraction")
+    ap.add_argument("--evict-low", type=float, default=env_float("PD_KVSTORE_EVICT_LOW", d.evict_low),
+                    help="eviction frees least recently used objects down to this fraction")
     ap.add_argument("--metrics-port", type=int, default=env_int("PD_METRICS_PORT", 0), help="HTTP /metrics port; 0 = any free, -1 = off")
     add_tls_args(ap)
     add_keepalive_args(ap)

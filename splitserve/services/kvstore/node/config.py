@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import argparse
 import uuid
 from dataclasses import dataclass
 
+from splitserve.cli_help import new_parser
 from splitserve.env import env_float, env_int, env_str
 from splitserve.rpc.tls import TlsConfig, add_tls_args, tls_config
 from splitserve.config_checks import check_port
@@ -53,15 +53,18 @@ class NodeConfig:
 
 
 def parse(argv: list[str] | None = None) -> NodeConfig:
-    ap = argparse.ArgumentParser(prog="splitserve kvstore-node", description="Run a KV store storage node.")
+    ap = new_parser("splitserve kvstore-node", "Run a KV store storage node.")
     ap.add_argument("--master", default=env_str("PD_KVSTORE_MASTER", "127.0.0.1:50090"), help="master gRPC host:port")
-    ap.add_argument("--node-id", default=env_str("PD_KVSTORE_NODE_ID") or f"node-{uuid.uuid4().hex[:8]}")
-    ap.add_argument("--segment-mb", type=int, default=env_int("PD_KVSTORE_SEGMENT_MB", 256))
-    ap.add_argument("--host", default=env_str("PD_HOST", "127.0.0.1"))
-    ap.add_argument("--port", type=int, default=env_int("PD_KVSTORE_NODE_PORT", 50091))
-    ap.add_argument("--data-host", default=env_str("PD_DATA_HOST", "127.0.0.1"))
-    ap.add_argument("--data-port", type=int, default=env_int("PD_KVSTORE_DATA_PORT", 0))
-    ap.add_argument("--io-timeout-s", type=float, default=env_float("PD_KVSTORE_NODE_IO_TIMEOUT_S", 30.0))
+    ap.add_argument("--node-id", default=env_str("PD_KVSTORE_NODE_ID") or f"node-{uuid.uuid4().hex[:8]}",
+                    help="unique id of this node (default: $PD_KVSTORE_NODE_ID, else a random node-<8 hex digits>)")
+    ap.add_argument("--segment-mb", type=int, default=env_int("PD_KVSTORE_SEGMENT_MB", 256),
+                    help="memory segment this node contributes, MiB (allocated at start)")
+    ap.add_argument("--host", default=env_str("PD_HOST", "127.0.0.1"), help="address the gRPC server listens on")
+    ap.add_argument("--port", type=int, default=env_int("PD_KVSTORE_NODE_PORT", 50091), help="gRPC port (0: any free port)")
+    ap.add_argument("--data-host", default=env_str("PD_DATA_HOST", "127.0.0.1"), help="address of the UCX data endpoint")
+    ap.add_argument("--data-port", type=int, default=env_int("PD_KVSTORE_DATA_PORT", 0), help="UCX data port (0: any free port)")
+    ap.add_argument("--io-timeout-s", type=float, default=env_float("PD_KVSTORE_NODE_IO_TIMEOUT_S", 30.0),
+                    help="seconds one read or write of object bytes may take before its connection is aborted")
     ap.add_argument("--metrics-port", type=int, default=env_int("PD_METRICS_PORT", 0), help="HTTP /metrics port; 0 = any free, -1 = off")
     add_tls_args(ap)
     add_keepalive_args(ap)
