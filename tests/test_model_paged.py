@@ -90,11 +90,11 @@ def test_decode_fast_path_equals_per_sequence_path(lm):
     for _ in range(5):  # several decode steps, crossing block boundaries
         batch = [(i, [nxt[i]], lens[i]) for i in range(3)]
         ref_cache = pager.cache.clone()
-        lm.model.fast_decode = False
+        lm.model.reference_attention = True
         try:
             slow = pager.run(batch)
         finally:
-            lm.model.fast_decode = True
+            lm.model.reference_attention = False
         slow_cache, pager.cache = pager.cache, ref_cache
         fast = pager.run(batch)
         torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)
