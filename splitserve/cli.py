@@ -112,6 +112,8 @@ def _up(argv: list[str]) -> int:
     ap.add_argument("--transport", default=env("PD_KV_TRANSPORT", "ucx"), choices=["ucx"])
     ap.add_argument("--block-size", type=int, default=int(env("PD_BLOCK_SIZE", "16")))
     ap.add_argument("--kv-cache-mb", type=int, default=int(env("PD_KV_CACHE_MB", "256")))
+    ap.add_argument("--dtype", default=env("PD_DTYPE", "auto"), help="workers' weights and KV dtype (see `splitserve prefill -h`)")
+    ap.add_argument("--max-model-len", type=int, default=int(env("PD_MAX_MODEL_LEN", "0")), help="workers' context limit, tokens (0: the model's)")
     ap.add_argument("--store-nodes", type=int, default=int(env("PD_KVSTORE_NODES", "1")),
                     help="KV store storage nodes (with a master); prefix blocks are reused across requests")
     ap.add_argument("--no-store", action="store_true", help="run without the KV store (no master, no storage nodes)")
@@ -156,7 +158,7 @@ def _up(argv: list[str]) -> int:
         trace_env = {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint}
     tls_env = _tls_env(tls)
     worker_args = ["--transport", a.transport, "--block-size", str(a.block_size), "--kv-cache-mb", str(a.kv_cache_mb),
-                   "--kv-transfer-mode", a.kv_transfer_mode]
+                   "--kv-transfer-mode", a.kv_transfer_mode, "--dtype", a.dtype, "--max-model-len", str(a.max_model_len)]
     try:
         cluster, http_port, grpc_port = build_cluster(
             model=a.model, num_prefill=a.prefill, num_decode=a.decode, host=a.host,

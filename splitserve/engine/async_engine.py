@@ -19,6 +19,7 @@ from splitserve.engine.scheduler import Scheduler, SchedulerConfig
 from splitserve.engine.sequence import Sequence, SeqMode
 from splitserve.errors import InvalidRequest
 from splitserve.model import LoadedModel
+from splitserve.model.config import DTYPE_CHOICES
 from splitserve.transfer.layout import KVLayout
 
 logger = logging.getLogger(__name__)
@@ -34,6 +35,9 @@ class EngineConfig:
     num_blocks: int = 0  # KV pool size in blocks; 0 = as many as kv_cache_mb holds
     max_queue_len: int = 1024  # requests + block allocations waiting for KV blocks / a batch slot; more are refused
     max_queue_wait_s: float = 30.0  # a request still waiting after this fails with RESOURCE_EXHAUSTED (inf: never)
+    dtype: str = "auto"  # weights and KV cache: auto (the checkpoint's) | float32 | bfloat16 | float16
+    max_model_len: int = 0  # context limit, tokens (prompt + output); 0 = the model's
+    decode_threads: int = 1  # torch threads of decode-only steps (0: as many as prefill steps use)
 
     def __post_init__(self) -> None:
         """Raises ValueError naming the first setting out of range (flag spelling, as the CLI prints it)."""
@@ -45,6 +49,9 @@ class EngineConfig:
             ("--num-blocks", self.num_blocks, self.num_blocks >= 0, ">= 0 (0: as many as --kv-cache-mb holds)"),
             ("--max-queue-len", self.max_queue_len, self.max_queue_len >= 1, ">= 1"),
             ("--max-queue-wait-s", self.max_queue_wait_s, self.max_queue_wait_s > 0, "> 0"),
+            ("--dtype", self.dtype, self.dtype in DTYPE_CHOICES, f"one of {', '.join(DTYPE_CHOICES)}"),
+            ("--max-model-len", self.max_model_len, self.max_model_len >= 0, ">= 0 (0: the model's context length)"),
+            ("--decode-threads", self.decode_threads, self.decode_threads >= 0, ">= 0 (0: as many as --torch-threads)"),
         ):
             if not ok:
                 raise ValueError(f"{flag} must be {want}, got {value}")
@@ -62,9 +69,15 @@ class AsyncEngine:
     """
 
     def __init__(self, lm: LoadedModel, config: EngineConfig) -> None:
+        """Raises ValueError when ``config.max_model_len`` exceeds the model's context length, or when
+        ``config.dtype`` (unless "auto") is not the dtype ``lm`` was loaded in."""
         self.lm = lm
         self.config = config
-        self.max_model_len = lm.max_model_len
+        if config.dtype not in ("auto", lm.config.dtype):
+            raise ValueError(f"--dtype {config.dtype}: the model was loaded in {lm.config.dtype}")
+        if config.max_model_len > lm.max_model_len:
+            raise ValueError(f"--max-model-len {config.max_model_len} exceeds the model's maximum context length {lm.max_model_len}")
+        self.max_model_len = config.max_model_len or lm.max_model_len
         mc = lm.config
         self.layout = KVLayout(lm.model_id, mc.num_layers, mc.num_kv_heads, mc.head_dim, config.block_size, mc.dtype)
         num_blocks = config.num_blocks or max(1, config.kv_cache_mb * 2**20 // self.layout.block_nbytes)
@@ -79,7 +92,7 @@ class AsyncEngine:
             self.block_manager,
             lm.eos_token_ids,
         )
-        self.core = EngineCore(ModelRunner(lm, self.kv_cache, config.block_size), sched, self._emit_threadsafe,
+        self.core = EngineCore(ModelRunner(lm, self.kv_cache, config.block_size, config.decode_threads), sched, self._emit_threadsafe,
                                config.max_queue_len, config.max_queue_wait_s)
         longest = max_blocks(1, self.max_model_len, config.block_size, self.max_model_len, prefill_only=False)
         if longest > num_blocks:

@@ -10,12 +10,19 @@ from splitserve.model import AttentionMetadata, LoadedModel
 
 
 class ModelRunner:
-    """Owns the KV cache ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`` of one worker."""
+    """Owns the KV cache ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`` of one worker.
 
-    def __init__(self, lm: LoadedModel, kv_cache: torch.Tensor, block_size: int) -> None:
+    Threads per phase: a step whose sequences all feed one token (decode) runs with ``decode_threads``
+    torch threads, any other step with the thread count set when the runner was built (``--torch-threads``).
+    ``decode_threads`` 0 means the same for both.
+    """
+
+    def __init__(self, lm: LoadedModel, kv_cache: torch.Tensor, block_size: int, decode_threads: int = 0) -> None:
         self.lm = lm
         self.kv_cache = kv_cache
         self.block_size = block_size
+        self.prefill_threads = torch.get_num_threads()
+        self.decode_threads = min(decode_threads, self.prefill_threads) or self.prefill_threads
 
     def execute(self, seqs: list[Sequence]) -> list[int]:
         """One forward over ``seqs`` (each feeds ``num_step_tokens`` tokens from ``num_computed_tokens``);
@@ -42,6 +49,9 @@ class ModelRunner:
             block_tables=[seq.block_table for seq in seqs],
             block_size=bs,
         )
+        threads = self.decode_threads if len(input_ids) == len(seqs) else self.prefill_threads
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
         with torch.inference_mode():
             logits = self.lm.model(
                 torch.tensor(input_ids, dtype=torch.long),

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 import torch
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPE_CHOICES = ("auto", *DTYPES)  # --dtype; "auto" = the checkpoint's dtype (vLLM's rule)
 
 # model_type -> HF architecture class name
 ARCHITECTURES: dict[str, str] = {
@@ -171,6 +172,24 @@ def config_from_hf(cfg: dict[str, Any], dtype: str = "float32") -> ModelConfig:
         attention_bias=True if model_type == "qwen2" else bool(cfg.get("attention_bias", False)),
         dtype=dtype,
     )
+
+
+def resolve_dtype(dtype: str, checkpoint_dtype: str) -> str:
+    """The weights/KV dtype to run: ``dtype``, or ``checkpoint_dtype`` when ``dtype`` is "auto".
+
+    Raises:
+        ValueError: ``dtype`` is not one of ``DTYPE_CHOICES``.
+    """
+    if dtype not in DTYPE_CHOICES:
+        raise ValueError(f"unsupported dtype {dtype!r}; expected one of {', '.join(DTYPE_CHOICES)}")
+    return checkpoint_dtype if dtype == "auto" else dtype
+
+
+def hf_checkpoint_dtype(cfg: dict[str, Any]) -> str:
+    """The dtype a HF ``config.json`` declares (``torch_dtype``, transformers 5: ``dtype``); float32 when
+    absent or not one of float32/float16/bfloat16 (e.g. float64)."""
+    value = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32").removeprefix("torch.")
+    return {"float": "float32", "half": "float16"}.get(value, value) if value in (*DTYPES, "float", "half") else "float32"
 
 
 def sliding_window_of(cfg: dict[str, Any]) -> int | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from splitserve.model.config import DTYPES, ModelConfig, make_model_id
+from splitserve.model.config import DTYPE_CHOICES, ModelConfig, make_model_id
 from splitserve.model.llama import CausalLM, build_model
 from splitserve.model.loader_gguf import load_gguf_file
 from splitserve.model.loader_hf import load_hf_folder
@@ -41,15 +41,17 @@ def load_model(path: str | Path, dtype: str = "float32", *, weights: bool = True
     Args:
         path: HF folder (config.json + *.safetensors + tokenizer.json), a GGUF file, or
             ``"synthetic:NAME"`` (seeded random weights for benchmarks, see ``model.synthetic``).
-        dtype: "float32" (default), "float16" or "bfloat16" for weights and the KV cache.
+        dtype: "float32" (default), "float16" or "bfloat16" for weights and the KV cache, or "auto": the
+            checkpoint's (config.json ``torch_dtype``; a GGUF file's weight type, float32 for quantized
+            types, which are dequantised at load; float32 for synthetic models).
         weights: False reads only config, tokenizer and generation settings (no tensors).
     Raises:
         FileNotFoundError: the path or a required file does not exist.
         ValueError: bad dtype, not a model folder/GGUF file, or malformed contents.
         NotImplementedError: an architecture or feature the model code does not support.
     """
-    if dtype not in DTYPES:
-        raise ValueError(f"unsupported dtype {dtype!r}; expected one of {sorted(DTYPES)}")
+    if dtype not in DTYPE_CHOICES:
+        raise ValueError(f"unsupported dtype {dtype!r}; expected one of {', '.join(DTYPE_CHOICES)}")
     if is_synthetic(path):
         name = str(path)[len(SYNTHETIC_PREFIX):]
         parts, name = load_synthetic(name, dtype, weights=weights), f"synthetic-{name}"

@@ -1,13 +1,19 @@
 """Load a llama-family GGUF file (architectures llama, qwen2, qwen3) into HF-named tensors.
 
 llama.cpp's converter permutes the Q and K projection rows of "llama" models so that RoPE rotates
-adjacent pairs; we undo that permutation to get HF's rotate-half layout. Quantized tensors are
-dequantized with ``gguf.quants.dequantize``.
+adjacent pairs; we undo that permutation to get HF's rotate-half layout. Tensor types F32, F16, BF16
+and Q8_0 are supported (tested); every tensor is dequantised to float32 at load with
+``gguf.quants.dequantize`` (other quantised types gguf can dequantise load too), then cast to the run
+dtype: quantised weights take their full-precision size in memory and run as float matmuls.
+
+``dtype="auto"`` picks the type most matrix weights are stored in: float32 for F32, float16 for F16,
+bfloat16 for BF16, float32 for quantised types.
 """
 
 from __future__ import annotations
 
 import re
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +22,7 @@ import torch
 from gguf import GGUFReader
 from gguf.quants import dequantize
 
-from splitserve.model.config import ARCHITECTURES, ModelConfig, ModelParts
+from splitserve.model.config import ARCHITECTURES, ModelConfig, ModelParts, resolve_dtype
 from splitserve.model.gguf_tokenizer import build_gguf_tokenizer
 from splitserve.model.tokenizer import Tokenizer
 
@@ -88,6 +94,15 @@ def _config(meta: dict[str, Any], arch: str, tensors: dict[str, Any], dtype: str
     )
 
 
+_AUTO_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+
+
+def checkpoint_dtype(tensors: dict[str, Any]) -> str:
+    """The dtype ``--dtype auto`` runs a GGUF file in (see the module docstring)."""
+    kinds = Counter(t.tensor_type.name for t in tensors.values() if len(t.shape) >= 2)
+    return _AUTO_DTYPES.get(kinds.most_common(1)[0][0], "float32") if kinds else "float32"
+
+
 def _to_torch(t: Any) -> torch.Tensor:
     arr = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32, copy=True)
     shape = tuple(int(x) for x in reversed(t.shape.tolist()))  # GGUF dims are innermost-first
@@ -130,7 +145,7 @@ def load_gguf_file(path: Path, dtype: str = "float32", *, weights: bool = True) 
     raw = {t.name: t for t in reader.tensors}
     if "token_embd.weight" not in raw:
         raise ValueError(f"{path} has no token_embd.weight tensor")
-    config = _config(meta, arch, raw, dtype)
+    config = _config(meta, arch, raw, resolve_dtype(dtype, checkpoint_dtype(raw)))
     sd: dict[str, torch.Tensor] = {}
     for name, t in raw.items() if weights else ():
         hf = _hf_name(name)

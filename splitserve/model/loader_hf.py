@@ -10,7 +10,7 @@ import tokenizers
 import torch
 from safetensors.torch import load_file
 
-from splitserve.model.config import ModelParts, config_from_hf, sliding_window_of
+from splitserve.model.config import ModelParts, config_from_hf, hf_checkpoint_dtype, resolve_dtype, sliding_window_of
 from splitserve.model.tokenizer import Tokenizer, backend_adds_bos, token_content
 
 
@@ -105,7 +105,7 @@ def load_tokenizer(folder: Path, model_cfg: dict[str, Any], extra_eos: list[int]
 
 
 def load_hf_folder(folder: Path, dtype: str = "float32", *, weights: bool = True) -> ModelParts:
-    """Read a HF model folder.
+    """Read a HF model folder; ``dtype`` "auto" takes config.json's ``torch_dtype``.
 
     Raises:
         FileNotFoundError: config.json, weights or tokenizer.json missing.
@@ -116,7 +116,7 @@ def load_hf_folder(folder: Path, dtype: str = "float32", *, weights: bool = True
     if not cfg_path.is_file():
         raise FileNotFoundError(f"{folder} is not a Hugging Face model folder: no config.json")
     raw = _read_json(cfg_path)
-    config = config_from_hf(raw, dtype)
+    config = config_from_hf(raw, resolve_dtype(dtype, hf_checkpoint_dtype(raw)))
     gen = _opt_json(folder / "generation_config.json")
     eos_ids = _as_ids(gen.get("eos_token_id")) or _as_ids(raw.get("eos_token_id"))
     tok = load_tokenizer(folder, raw, eos_ids)
