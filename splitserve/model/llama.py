@@ -18,13 +18,13 @@ import torch.nn.functional as F
 from splitserve.model.attention import AttentionMetadata, paged_attention, plan_attention
 from splitserve.model.attention_ref import reference_attention
 from splitserve.model.config import ModelConfig
-from splitserve.model.layers import RMSNorm, SwiGLUMLP, fused_linear
+from splitserve.model.layers import RMSNorm, SwiGLUMLP, TransposedLinear
 from splitserve.model.rope import RotaryEmbedding, apply_rope_
 
 
 class Attention(nn.Module):
-    """Self-attention. Built with HF's q/k/v_proj (weights load by name); ``fuse`` replaces them with one
-    ``qkv_proj`` (``[(num_heads + 2 * num_kv_heads) * head_dim, hidden]``: q rows, k rows, v rows)."""
+    """Self-attention. Built with HF's q/k/v/o_proj (weights load by name); ``fuse`` replaces q/k/v with one
+    ``qkv_proj`` (outputs: q, k, v heads in order) and o_proj with a TransposedLinear."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -43,14 +43,15 @@ class Attention(nn.Module):
 
     def fuse(self) -> None:
         """Concatenate q/k/v_proj into qkv_proj (one GEMM per step instead of three)."""
-        self.qkv_proj = fused_linear(self.q_proj, self.k_proj, self.v_proj)
+        self.qkv_proj = TransposedLinear.of(self.q_proj, self.k_proj, self.v_proj)
+        self.o_proj = TransposedLinear.of(self.o_proj)
         del self.q_proj, self.k_proj, self.v_proj
 
     def forward_add(self, h, x, cos, sin, kv_cache, layer, plan, attn):
         """``h + attention(x)``: h, x ``[T, hidden]``; writes this layer's K/V into ``kv_cache``.
         ``plan`` (from plan_attention) selects the block-gather path; None the reference path over ``attn``."""
         t, hq, hkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = F.linear(x, self.qkv_proj.weight, self.qkv_proj.bias).view(t, hq + 2 * hkv, d)
+        qkv = self.qkv_proj.forward(x).view(t, hq + 2 * hkv, d)
         if self.q_norm is not None:
             eps = self.q_norm.eps
             qkv[:, :hq] = F.rms_norm(qkv[:, :hq], (d,), self.q_norm.weight, eps)
@@ -60,7 +61,7 @@ class Attention(nn.Module):
             o = reference_attention(qkv, kv_cache, layer, attn, hq, hkv)
         else:
             o = paged_attention(qkv, kv_cache, layer, plan, hq, hkv)
-        out = torch.addmm(h, o, self.o_proj.weight.t())
+        out = torch.addmm(h, o, self.o_proj.weight_t)
         return out if self.o_proj.bias is None else out.add_(self.o_proj.bias)
 
 
