@@ -54,11 +54,13 @@ class SwiGLUMLP(nn.Module):
 
 
 class TransposedLinear(nn.Module):
-    """``y = x @ weight_t + bias`` with the weight stored transposed, ``weight_t [in, out]`` contiguous.
+    """``y = x @ weight_t + bias``; ``weight_t`` is ``[in, out]``.
 
-    Measured on this project's 2-core AVX2 machine (MKL sgemm, 1 thread, torch 2.13): the decode GEMVs of
-    a 25M Llama ran ~25% faster as ``x @ W^T`` with ``W^T`` contiguous than as ``F.linear(x, W)``.
-    ``weight`` is the HF-shaped ``[out, in]`` view.
+    float32 weights are stored transposed (``weight_t`` contiguous): measured on this project's 2-core AVX2
+    machine (MKL sgemm, 1 thread, torch 2.13), the decode GEMVs of a 25M Llama ran ~25% faster so than as
+    ``F.linear(x, W)``. bfloat16/float16 weights keep HF's ``[out, in]`` storage (``weight_t`` is its
+    transposed view): without AVX512-BF16/AMX, torch's reduced-precision GEMM was ~6x slower on a
+    contiguous ``[in, out]`` operand. ``weight`` is the HF-shaped ``[out, in]`` view.
     """
 
     def __init__(self, weight_t: torch.Tensor, bias: torch.Tensor | None):
@@ -71,7 +73,7 @@ class TransposedLinear(nn.Module):
         """One layer whose outputs are ``parts``' outputs in order (weights and biases concatenated)."""
         w = torch.cat([p.weight for p in parts]) if len(parts) > 1 else parts[0].weight
         bias = None if parts[0].bias is None else torch.cat([p.bias for p in parts])
-        return cls(w.t().contiguous(), bias)
+        return cls(w.t().contiguous() if w.dtype == torch.float32 else w.t(), bias)
 
     @property
     def weight(self) -> torch.Tensor:
