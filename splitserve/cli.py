@@ -112,7 +112,7 @@ def _up(argv: list[str]) -> int:
     ap.add_argument("--transport", default=env("PD_KV_TRANSPORT", "ucx"), choices=["ucx"])
     ap.add_argument("--block-size", type=int, default=int(env("PD_BLOCK_SIZE", "16")))
     ap.add_argument("--kv-cache-mb", type=int, default=int(env("PD_KV_CACHE_MB", "256")))
-    ap.add_argument("--dtype", default=env("PD_DTYPE", "auto"), help="workers' weights and KV dtype (see `splitserve prefill -h`)")
+    ap.add_argument("--dtype", default=env("PD_DTYPE", "auto"), choices=["auto", "float32", "bfloat16", "float16"], help="workers' weights and KV dtype (see `splitserve prefill -h`)")
     ap.add_argument("--max-model-len", type=int, default=int(env("PD_MAX_MODEL_LEN", "0")), help="workers' context limit, tokens (0: the model's)")
     ap.add_argument("--store-nodes", type=int, default=int(env("PD_KVSTORE_NODES", "1")),
                     help="KV store storage nodes (with a master); prefix blocks are reused across requests")
