@@ -33,8 +33,8 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--torch-threads", type=int, default=int(env("PD_TORCH_THREADS", "1")),
                     help="torch threads of prefill (and mixed) steps")
     ap.add_argument("--decode-threads", type=int, default=int(env("PD_DECODE_THREADS", "1")),
-                    help="torch threads of decode-only steps (0: as --torch-threads); 1 by default: on a 2-core "
-                         "machine a second thread made single-stream decode slower, not faster")
+                    help="torch threads of decode steps of fewer than 16 sequences (0: as --torch-threads); 1 by default: "
+                         "on a 2-core machine a second thread made such steps slower, not faster")
     ap.add_argument("--dtype", default=env("PD_DTYPE", "auto"), choices=DTYPE_CHOICES,
                     help="weights and KV cache dtype; auto = the checkpoint's (config.json torch_dtype; a GGUF "
                          "file's weight type, float32 for quantized ones)")
