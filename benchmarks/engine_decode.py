@@ -65,9 +65,11 @@ def decode_run(lm, prompt: int, steps: int) -> dict:
 
     ids = [(17 * i) % 500 + 3 for i in range(prompt)]
     run(ids, 0)  # warm-up
-    t = time.perf_counter()
-    tok = int(run(ids, 0)[0].argmax())
-    prefill_s = time.perf_counter() - t
+    prefill_s = float("inf")
+    for _ in range(3):  # best of 3 (the prompt's K/V is rewritten in place each time)
+        t = time.perf_counter()
+        tok = int(run(ids, 0)[0].argmax())
+        prefill_s = min(prefill_s, time.perf_counter() - t)
     wall, cpu = [], []
     for i in range(steps):
         w, c = time.perf_counter(), time.thread_time()
