@@ -26,8 +26,37 @@ def itemsize(dtype: str) -> int:
         raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join(sorted(DTYPE_ITEMSIZE))}") from None
 
 
+#: ``--dtype`` choices: a model dtype, or "auto" = the checkpoint's dtype (vLLM's rule)
+DTYPE_CHOICES: tuple[str, ...] = ("auto", *MODEL_DTYPES)
+
+
 def check_model_dtype(dtype: str) -> str:
-    """``dtype`` itself if a model may use it, else ValueError listing :data:`MODEL_DTYPES`."""
+    """``dtype`` itself if a model may run in it, else ValueError listing :data:`MODEL_DTYPES`."""
     if dtype not in MODEL_DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; expected one of {sorted(MODEL_DTYPES)}")
     return dtype
+
+
+def check_dtype_choice(dtype: str) -> str:
+    """``dtype`` itself if ``--dtype`` may say it (a model dtype or "auto"), else ValueError listing the choices."""
+    if dtype not in DTYPE_CHOICES:
+        raise ValueError(f"unsupported dtype {dtype!r}; expected one of {', '.join(DTYPE_CHOICES)}")
+    return dtype
+
+
+def resolve_dtype(dtype: str, checkpoint_dtype: str) -> str:
+    """The weights/KV dtype to run: ``dtype``, or ``checkpoint_dtype`` when ``dtype`` is "auto".
+
+    Raises:
+        ValueError: ``dtype`` is not one of :data:`DTYPE_CHOICES`.
+    """
+    check_dtype_choice(dtype)
+    return checkpoint_dtype if dtype == "auto" else dtype
+
+
+def hf_checkpoint_dtype(cfg: dict) -> str:
+    """The dtype a HF ``config.json`` declares (``torch_dtype``; transformers 5: ``dtype``); float32 when absent
+    or not one of float32/float16/bfloat16 (e.g. float64)."""
+    value = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32").removeprefix("torch.")
+    value = {"float": "float32", "half": "float16"}.get(value, value)
+    return value if value in MODEL_DTYPES else "float32"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from splitserve.dtypes import DTYPE_CHOICES, check_dtype_choice
 from splitserve.cli_help import SECRET_DEFAULT, new_parser
 from splitserve.env import env_choice, env_float, env_int, env_str
 from splitserve.paths import default_model_path
@@ -29,7 +30,8 @@ class UpConfig:
     model: HF folder, ``.gguf`` file or ``synthetic:<name>``, for every process.
     num_prefill, num_decode: worker processes of each role (>= 1).
     host: address every process listens on. http_port, grpc_port: the router's (0: any free port).
-    transport, block_size, kv_cache_mb, kv_transfer_mode: passed to every worker (block_size in tokens, MiB).
+    transport, block_size, kv_cache_mb, kv_transfer_mode, dtype, max_model_len: passed to every worker (block_size
+        and max_model_len in tokens, kv_cache_mb in MiB; dtype "auto" = the checkpoint's, max_model_len 0 = the model's).
     store_nodes: KV store storage nodes (0: no store, no master). store_mb: segment per node, MiB.
     store_replicas: copies per object, on distinct nodes (<= store_nodes).
     policy, disagg: the router's worker selection and its disaggregation rule (checked by the router's config).
@@ -54,6 +56,8 @@ class UpConfig:
     block_size: int = 16
     kv_cache_mb: int = 256
     kv_transfer_mode: str = "direct"
+    dtype: str = "auto"
+    max_model_len: int = 0
     store_nodes: int = 1
     store_mb: int = 256
     store_replicas: int = 1
@@ -80,13 +84,17 @@ class UpConfig:
             raise ValueError(f"--http-port and --grpc-port must differ, both are {self.http_port}")
         if not self.shutdown_grace_s >= 0:
             raise ValueError(f"--shutdown-grace-s must be >= 0, got {self.shutdown_grace_s}")
+        check_dtype_choice(self.dtype)
+        if self.max_model_len < 0:
+            raise ValueError(f"--max-model-len must be >= 0 (0: the model's context length), got {self.max_model_len}")
         if self.tls.enabled and not self.tls.cert_file:
             raise ValueError("TLS: the cluster's gRPC servers need --tls-cert and --tls-key (PD_TLS_CERT, PD_TLS_KEY)")
 
     def worker_args(self) -> list[str]:
         """Flags every prefill and decode worker gets."""
         return ["--transport", self.transport, "--block-size", str(self.block_size), "--kv-cache-mb",
-                str(self.kv_cache_mb), "--kv-transfer-mode", self.kv_transfer_mode]
+                str(self.kv_cache_mb), "--kv-transfer-mode", self.kv_transfer_mode, "--dtype", self.dtype,
+                "--max-model-len", str(self.max_model_len)]
 
     def router_args(self) -> list[str]:
         """Flags the router gets on top of its addresses and ports."""
@@ -148,6 +156,10 @@ def parse(argv: list[str] | None = None) -> UpConfig:
     ap.add_argument("--block-size", type=int, default=env_int("PD_BLOCK_SIZE", 16), help="tokens per KV block (PD_BLOCK_SIZE)")
     ap.add_argument("--kv-cache-mb", type=int, default=env_int("PD_KV_CACHE_MB", 256),
                     help="KV block pool of each worker, MiB (PD_KV_CACHE_MB)")
+    ap.add_argument("--dtype", default=env_choice("PD_DTYPE", DTYPE_CHOICES, "auto"), choices=DTYPE_CHOICES,
+                    help="workers' weights and KV cache dtype (PD_DTYPE; auto: the checkpoint's)")
+    ap.add_argument("--max-model-len", type=int, default=env_int("PD_MAX_MODEL_LEN", 0),
+                    help="workers' context limit in tokens, prompt + output (PD_MAX_MODEL_LEN; 0: the model's)")
     ap.add_argument("--store-nodes", type=int, default=env_int("PD_KVSTORE_NODES", 1),
                     help="KV store storage nodes (with a master); prefix blocks are reused across requests")
     ap.add_argument("--no-store", action="store_true", help="run without the KV store (no master, no storage nodes)")
@@ -173,7 +185,8 @@ def parse(argv: list[str] | None = None) -> UpConfig:
     return UpConfig(
         model=a.model, num_prefill=a.prefill, num_decode=a.decode, host=a.host, http_port=a.http_port,
         grpc_port=a.grpc_port, transport=a.transport, block_size=a.block_size, kv_cache_mb=a.kv_cache_mb,
-        kv_transfer_mode=a.kv_transfer_mode, store_nodes=0 if a.no_store else a.store_nodes, store_mb=a.store_mb,
+        kv_transfer_mode=a.kv_transfer_mode, dtype=a.dtype, max_model_len=a.max_model_len,
+        store_nodes=0 if a.no_store else a.store_nodes, store_mb=a.store_mb,
         store_replicas=a.store_replicas, policy=a.policy, disagg=a.disagg, shutdown_grace_s=a.shutdown_grace_s,
         otlp_endpoint=otlp, tls=tls_config(a), served_model_name=a.served_model_name, api_key=a.api_key,
     )

@@ -26,7 +26,7 @@ def test_long_context_decode_gets_its_own_group():
     plan = plan_attention(decode_meta(ctxs), len(ctxs), cache)
     groups = [sorted(g.tokens.tolist()) for g in plan.decode_groups]
     assert groups == [[0, 2, 3], [1, 4]]
-    assert [g.blocks.shape[1] for g in plan.decode_groups] == [36, 301]  # padded to the group's longest context
+    assert [(g.num_blocks, g.length) for g in plan.decode_groups] == [(9, 36), (76, 301)]  # padded to whole blocks of the longest context
 
 
 def test_grouped_decode_equals_per_sequence_path():
@@ -38,9 +38,9 @@ def test_grouped_decode_equals_per_sequence_path():
     cache.normal_()
     ids, pos = torch.tensor([100, 200, 300, 400, 500]), torch.tensor(ctxs)
     fast = lm.model(ids, pos, cache.clone(), meta)
-    lm.model.fast_decode = False
+    lm.model.reference_attention = True
     try:
         slow = lm.model(ids, pos, cache.clone(), meta)
     finally:
-        lm.model.fast_decode = True
+        lm.model.reference_attention = False
     torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)

@@ -141,8 +141,10 @@ def test_gguf_config_and_tokenizer(stories_gguf):
     for text in (PROMPT, "Lily and Tim went to the park.", "She said, \"Hi!\"\nThe end.", "zebra émoji"):
         assert tok.encode(text) == hf_tok(text).input_ids, text
         assert tok.decode(tok.encode(text)) == text
-    torch.testing.assert_close(lm.model.model.layers[0].self_attn.q_proj.weight, ref.model.layers[0].self_attn.q_proj.weight)
-    torch.testing.assert_close(lm.model.model.layers[4].self_attn.k_proj.weight, ref.model.layers[4].self_attn.k_proj.weight)
+    q_rows, k_rows = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim  # qkv_proj outputs: q, k, v
+    torch.testing.assert_close(lm.model.model.layers[0].self_attn.qkv_proj.weight[:q_rows], ref.model.layers[0].self_attn.q_proj.weight)
+    torch.testing.assert_close(lm.model.model.layers[4].self_attn.qkv_proj.weight[q_rows : q_rows + k_rows],
+                               ref.model.layers[4].self_attn.k_proj.weight)
 
 
 def test_gguf_logits_and_greedy_match_transformers(stories_gguf):

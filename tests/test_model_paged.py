@@ -90,16 +90,16 @@ def test_decode_fast_path_equals_per_sequence_path(lm):
     for _ in range(5):  # several decode steps, crossing block boundaries
         batch = [(i, [nxt[i]], lens[i]) for i in range(3)]
         ref_cache = pager.cache.clone()
-        lm.model.fast_decode = False
+        lm.model.reference_attention = True
         try:
             slow = pager.run(batch)
         finally:
-            lm.model.fast_decode = True
+            lm.model.reference_attention = False
         slow_cache, pager.cache = pager.cache, ref_cache
         fast = pager.run(batch)
-        torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(fast, slow, atol=1e-4, rtol=1e-4)
         assert torch.equal(pager.cache[:, 0], slow_cache[:, 0])  # layer 0 K/V do not depend on attention
-        torch.testing.assert_close(pager.cache, slow_cache, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(pager.cache, slow_cache, atol=1e-4, rtol=1e-4)
         lens = [n + 1 for n in lens]
         nxt = fast.argmax(-1).tolist()
 

@@ -1,9 +1,11 @@
-"""Command-line flags shared by every process that runs an engine (prefill, decode, colocated)."""
+"""Command-line flags shared by every process that runs an engine (prefill, decode, colocated; ``up``
+passes them on to its workers)."""
 
 from __future__ import annotations
 
 import argparse
 
+from splitserve.dtypes import DTYPE_CHOICES
 from splitserve.engine.config import EngineConfig
 from splitserve.env import env_bool, env_choice, env_float, env_int, env_str
 from splitserve.paths import default_model_path
@@ -29,13 +31,41 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--enable-chunked-prefill", action="store_true",
                     default=env_bool("PD_ENABLE_CHUNKED_PREFILL"),
                     help="mix running decodes and prompt chunks in each step (Sarathi-style token budget)")
-    ap.add_argument("--torch-threads", type=int, default=env_int("PD_TORCH_THREADS", 1), help="intra-op threads of torch")
+    ap.add_argument("--torch-threads", type=int, default=env_int("PD_TORCH_THREADS", 1),
+                    help="torch threads of prefill (and mixed) steps")
+    ap.add_argument("--decode-threads", type=int, default=env_int("PD_DECODE_THREADS", 1),
+                    help="torch threads of decode steps of fewer than 16 sequences (0: as --torch-threads); 1 by default: "
+                         "on a 2-core machine a second thread made such steps slower, not faster")
+    ap.add_argument("--dtype", default=env_choice("PD_DTYPE", DTYPE_CHOICES, "auto"), choices=DTYPE_CHOICES,
+                    help="weights and KV cache dtype; auto = the checkpoint's (config.json torch_dtype; a GGUF "
+                         "file's weight type, float32 for quantized ones)")
+    ap.add_argument("--max-model-len", type=int, default=env_int("PD_MAX_MODEL_LEN", 0),
+                    help="context limit in tokens (prompt + output); 0 = the model's; above it is a start-up error")
     ap.add_argument("--transport", default=env_choice("PD_KV_TRANSPORT", TRANSPORTS, "ucx"), choices=TRANSPORTS, help="KV transfer backend")
 
 
+def check_max_model_len(model: str, max_model_len: int) -> None:
+    """Raises ValueError when ``max_model_len`` exceeds the context length of ``model`` (read without
+    weights); a model that cannot be read here is left to fail when the engine loads it."""
+    if max_model_len <= 0:
+        return
+    from splitserve.model import load_model
+
+    try:
+        limit = load_model(model, weights=False).max_model_len
+    except (OSError, ValueError, NotImplementedError):
+        return
+    if max_model_len > limit:
+        raise ValueError(f"--max-model-len {max_model_len} exceeds the model's maximum context length {limit}")
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig of parsed engine flags. Raises ValueError for a setting out of range, including a
+    ``--max-model-len`` above the model's context length."""
+    check_max_model_len(args.model, args.max_model_len)
     return EngineConfig(
         block_size=args.block_size, kv_cache_mb=args.kv_cache_mb, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, enable_chunked_prefill=args.enable_chunked_prefill,
         num_blocks=args.num_blocks, max_queue_len=args.max_queue_len, max_queue_wait_s=args.max_queue_wait_s,
+        dtype=args.dtype, max_model_len=args.max_model_len, decode_threads=args.decode_threads,
     )

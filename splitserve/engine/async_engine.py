@@ -63,9 +63,15 @@ class AsyncEngine:
     """
 
     def __init__(self, lm: LoadedModel, config: EngineConfig) -> None:
+        """Raises ValueError when ``config.max_model_len`` exceeds the model's context length, or when
+        ``config.dtype`` (unless "auto") is not the dtype ``lm`` was loaded in."""
         self.lm = lm
         self.config = config
-        self.max_model_len = lm.max_model_len
+        if config.dtype not in ("auto", lm.config.dtype):
+            raise ValueError(f"--dtype {config.dtype}: the model was loaded in {lm.config.dtype}")
+        if config.max_model_len > lm.max_model_len:
+            raise ValueError(f"--max-model-len {config.max_model_len} exceeds the model's maximum context length {lm.max_model_len}")
+        self.max_model_len = config.max_model_len or lm.max_model_len
         mc = lm.config
         self.layout = KVLayout(lm.model_id, mc.num_layers, mc.num_kv_heads, mc.head_dim, config.block_size, mc.dtype)
         num_blocks = config.num_blocks or max(1, config.kv_cache_mb * 2**20 // self.layout.block_nbytes)
@@ -80,7 +86,7 @@ class AsyncEngine:
             self.block_manager,
             lm.eos_token_ids,
         )
-        self.core = EngineCore(ModelRunner(lm, self.kv_cache, config.block_size), sched, self._emit_threadsafe,
+        self.core = EngineCore(ModelRunner(lm, self.kv_cache, config.block_size, config.decode_threads), sched, self._emit_threadsafe,
                                config.max_queue_len, config.max_queue_wait_s)
         longest = max_blocks(1, self.max_model_len, config.block_size, self.max_model_len, prefill_only=False)
         if longest > num_blocks:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from splitserve.dtypes import DTYPE_CHOICES
+
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
@@ -17,6 +19,9 @@ class EngineConfig:
     num_blocks: int = 0  # KV pool size in blocks; 0 = as many as kv_cache_mb holds
     max_queue_len: int = 1024  # requests + block allocations waiting for KV blocks / a batch slot; more are refused
     max_queue_wait_s: float = 30.0  # a request still waiting after this fails with RESOURCE_EXHAUSTED (inf: never)
+    dtype: str = "auto"  # weights and KV cache: auto (the checkpoint's) | float32 | bfloat16 | float16
+    max_model_len: int = 0  # context limit, tokens (prompt + output); 0 = the model's
+    decode_threads: int = 1  # torch threads of decode-only steps (0: as many as prefill steps use)
 
     def __post_init__(self) -> None:
         """Raises ValueError naming the first setting out of range (flag spelling, as the CLI prints it)."""
@@ -28,6 +33,9 @@ class EngineConfig:
             ("--num-blocks", self.num_blocks, self.num_blocks >= 0, ">= 0 (0: as many as --kv-cache-mb holds)"),
             ("--max-queue-len", self.max_queue_len, self.max_queue_len >= 1, ">= 1"),
             ("--max-queue-wait-s", self.max_queue_wait_s, self.max_queue_wait_s > 0, "> 0"),
+            ("--dtype", self.dtype, self.dtype in DTYPE_CHOICES, f"one of {', '.join(DTYPE_CHOICES)}"),
+            ("--max-model-len", self.max_model_len, self.max_model_len >= 0, ">= 0 (0: the model's context length)"),
+            ("--decode-threads", self.decode_threads, self.decode_threads >= 0, ">= 0 (0: as many as --torch-threads)"),
         ):
             if not ok:
                 raise ValueError(f"{flag} must be {want}, got {value}")

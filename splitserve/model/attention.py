@@ -1,14 +1,17 @@
-"""Paged attention over one block-major KV cache tensor.
+"""Paged attention over one block-major KV cache tensor, gathering whole KV blocks.
 
 Cache layout: ``kv_cache[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`` (index 0 = K,
 1 = V). Token ``p`` of a sequence lives at slot ``block_table[p // block_size] * block_size + p % block_size``.
 
-``plan_attention`` validates an ``AttentionMetadata`` once per forward and precomputes the gather
-indices; ``paged_attention`` then runs per layer: write the new K/V, attend over the cached context.
-Sequences with one new token (decode) are gathered into padded batches of similar context length
-(the longest context of a batch at most twice its shortest, so one long sequence does not make every
-short one pay for its length) and each batch is served by one SDPA call; the others (prefill,
-prefix-cached prefill) run one SDPA call each with an offset causal mask.
+``plan_attention`` validates an ``AttentionMetadata`` once per forward (plain Python over the block
+tables) and precomputes the block ids to gather and the masks; ``paged_attention`` then runs per layer:
+write the new K/V with one indexed store, gather each sequence's context as whole blocks
+(``index_select`` over the block axis: one copy of ``num_blocks * block_size`` tokens, no per-token
+index), and attend with SDPA's grouped-query mode (K/V are never repeated per query head).
+Sequences with one new token (decode) are batched by similar context length (the longest context of
+a batch at most twice its shortest) into one SDPA call per batch, padded to whole blocks and masked;
+the others (prefill, prefix-cached prefill) run one SDPA call each, causal without a mask when the
+whole context is new.
 """
 
 from __future__ import annotations
@@ -43,16 +46,17 @@ class _Prefill:
     start: int  # first token of this sequence in the packed batch
     qlen: int
     seq_len: int
-    ctx_blocks: torch.Tensor | None  # [seq_len] block id of each context position (None: all tokens are new)
-    ctx_offsets: torch.Tensor | None  # [seq_len]
+    blocks: torch.Tensor | None  # [ceil(seq_len / block_size)] context block ids (None: all tokens are new)
+    mask: torch.Tensor | None  # [qlen, seq_len] bool, True = attend (offset causal)
 
 
 @dataclass
 class _DecodeGroup:
-    tokens: torch.Tensor  # [B] token index of each batched decode sequence
-    blocks: torch.Tensor  # [B, M]
-    offsets: torch.Tensor  # [B, M]
-    mask: torch.Tensor  # [B, 1, 1, M] bool, True = attend
+    tokens: torch.Tensor | None  # [B] token index of each sequence in the batch (None: tokens 0..B-1 in order)
+    blocks: torch.Tensor  # [B * M] block ids, M blocks per sequence (padded with its last block)
+    num_blocks: int  # M
+    length: int  # longest context of the group, tokens
+    mask: torch.Tensor | None  # [B, 1, 1, length] bool, True = attend (None: every context is ``length`` long)
 
 
 @dataclass
@@ -61,25 +65,50 @@ class AttentionPlan:
 
     write_blocks: torch.Tensor  # [T]
     write_offsets: torch.Tensor  # [T]
-    last_token_index: torch.Tensor  # [num_seqs] index of each sequence's last token in the batch
-    decode_groups: list[_DecodeGroup] = field(default_factory=list)  # decodes of similar context length
+    last_token_index: torch.Tensor | None  # [num_seqs] each sequence's last token (None: T == num_seqs)
+    decode_groups: list[_DecodeGroup] = field(default_factory=list)
     prefills: list[_Prefill] = field(default_factory=list)
 
 
-def _context_slots(table: list[int], seq_len: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    nblk = -(-seq_len // block_size)
-    blocks = torch.tensor(table[:nblk], dtype=torch.int64).repeat_interleave(block_size)[:seq_len]
-    offsets = torch.arange(seq_len, dtype=torch.int64) % block_size
-    return blocks, offsets
+def _check(attn: AttentionMetadata, num_tokens: int, num_blocks: int, bs: int) -> list[int]:
+    """Validate the metadata in plain Python; returns the slot_mapping as a list."""
+    n = len(attn.query_lens)
+    if n == 0 or len(attn.seq_lens) != n or len(attn.block_tables) != n:
+        raise ValueError(
+            f"query_lens ({n}), seq_lens ({len(attn.seq_lens)}) and block_tables ({len(attn.block_tables)}) "
+            "must be non-empty and of equal length"
+        )
+    slots = attn.slot_mapping.reshape(-1).tolist()
+    if sum(attn.query_lens) != num_tokens or len(slots) != num_tokens:
+        raise ValueError(
+            f"sum(query_lens)={sum(attn.query_lens)} and len(slot_mapping)={len(slots)} "
+            f"must both equal the number of input tokens {num_tokens}"
+        )
+    start = 0
+    for i, (qlen, slen, table) in enumerate(zip(attn.query_lens, attn.seq_lens, attn.block_tables)):
+        if not 1 <= qlen <= slen:
+            raise ValueError(f"sequence {i}: need 1 <= query_len <= seq_len, got query_len={qlen} seq_len={slen}")
+        if len(table) * bs < slen:
+            raise ValueError(f"sequence {i}: block table of {len(table)} blocks cannot hold seq_len={slen} (block_size {bs})")
+        used = table[: -(-slen // bs)]
+        if min(used) < 0 or max(used) >= num_blocks:
+            raise ValueError(f"sequence {i}: block id out of range [0, {num_blocks}) in {used}")
+        expected = [table[p // bs] * bs + p % bs for p in range(slen - qlen, slen)]
+        if slots[start : start + qlen] != expected:
+            raise ValueError(
+                f"sequence {i}: slot_mapping {slots[start:start + qlen]} does not match its block table "
+                f"for positions {slen - qlen}..{slen - 1} (expected {expected})"
+            )
+        start += qlen
+    return slots
 
 
-def plan_attention(attn: AttentionMetadata, num_tokens: int, kv_cache: torch.Tensor, fast_decode: bool = True) -> AttentionPlan:
-    """Validate ``attn`` against the batch and cache and precompute gather/scatter indices.
+def plan_attention(attn: AttentionMetadata, num_tokens: int, kv_cache: torch.Tensor) -> AttentionPlan:
+    """Validate ``attn`` against the batch and cache and precompute block gathers and masks.
 
     Args:
         num_tokens: T, the number of packed new tokens.
         kv_cache: the 6-D cache (only its shape and device are used).
-        fast_decode: batch all query_len == 1 sequences into one padded SDPA call.
 
     Raises:
         ValueError: inconsistent lengths, block tables too short, ids out of range, or a slot_mapping
@@ -90,111 +119,102 @@ def plan_attention(attn: AttentionMetadata, num_tokens: int, kv_cache: torch.Ten
     num_blocks, bs = kv_cache.shape[0], kv_cache.shape[3]
     if attn.block_size != bs:
         raise ValueError(f"attn.block_size={attn.block_size} but kv_cache block size is {bs}")
-    n = len(attn.query_lens)
-    if n == 0 or len(attn.seq_lens) != n or len(attn.block_tables) != n:
-        raise ValueError(
-            f"query_lens ({n}), seq_lens ({len(attn.seq_lens)}) and block_tables ({len(attn.block_tables)}) "
-            "must be non-empty and of equal length"
-        )
-    if sum(attn.query_lens) != num_tokens or attn.slot_mapping.numel() != num_tokens:
-        raise ValueError(
-            f"sum(query_lens)={sum(attn.query_lens)} and len(slot_mapping)={attn.slot_mapping.numel()} "
-            f"must both equal the number of input tokens {num_tokens}"
-        )
-    slots = attn.slot_mapping.detach().to("cpu", torch.int64).reshape(-1)
+    slots = _check(attn, num_tokens, num_blocks, bs)
     dev = kv_cache.device
-    plan_prefills: list[_Prefill] = []
-    dec_tok: list[int] = []
-    dec_ctx: list[tuple[torch.Tensor, torch.Tensor]] = []
-    start = 0
-    for i, (qlen, slen, table) in enumerate(zip(attn.query_lens, attn.seq_lens, attn.block_tables)):
-        if not 1 <= qlen <= slen:
-            raise ValueError(f"sequence {i}: need 1 <= query_len <= seq_len, got query_len={qlen} seq_len={slen}")
-        if len(table) * bs < slen:
-            raise ValueError(f"sequence {i}: block table of {len(table)} blocks cannot hold seq_len={slen} (block_size {bs})")
-        used = table[: -(-slen // bs)]
-        if min(used) < 0 or max(used) >= num_blocks:
-            raise ValueError(f"sequence {i}: block id out of range [0, {num_blocks}) in {used}")
-        blocks, offsets = _context_slots(table, slen, bs)
-        expected = blocks[slen - qlen :] * bs + offsets[slen - qlen :]
-        if not torch.equal(expected, slots[start : start + qlen]):
-            raise ValueError(
-                f"sequence {i}: slot_mapping {slots[start:start + qlen].tolist()} does not match its block table "
-                f"for positions {slen - qlen}..{slen - 1} (expected {expected.tolist()})"
-            )
-        if fast_decode and qlen == 1:
-            dec_tok.append(start)
-            dec_ctx.append((blocks, offsets))
-        elif qlen == slen:
-            plan_prefills.append(_Prefill(start, qlen, slen, None, None))
-        else:
-            plan_prefills.append(_Prefill(start, qlen, slen, blocks.to(dev), offsets.to(dev)))
-        start += qlen
+    slot_t = torch.tensor(slots, dtype=torch.int64)
     plan = AttentionPlan(
-        write_blocks=(slots // bs).to(dev),
-        write_offsets=(slots % bs).to(dev),
-        last_token_index=(torch.tensor(attn.query_lens, dtype=torch.int64).cumsum(0) - 1).to(dev),
-        prefills=plan_prefills,
+        write_blocks=(slot_t // bs).to(dev),
+        write_offsets=(slot_t % bs).to(dev),
+        last_token_index=None if num_tokens == len(attn.query_lens)
+        else (torch.tensor(attn.query_lens, dtype=torch.int64).cumsum(0) - 1).to(dev),
     )
-    order = sorted(range(len(dec_tok)), key=lambda j: dec_ctx[j][0].numel())
-    while order:  # shortest first; a group takes sequences up to twice its shortest context
-        limit = 2 * dec_ctx[order[0]][0].numel()
-        n = next((k for k, j in enumerate(order) if dec_ctx[j][0].numel() > limit), len(order))
-        plan.decode_groups.append(_decode_group([dec_tok[j] for j in order[:n]], [dec_ctx[j] for j in order[:n]], dev))
-        order = order[n:]
+    decodes: list[tuple[int, int, list[int]]] = []  # (token index, seq_len, block table)
+    start = 0
+    for qlen, slen, table in zip(attn.query_lens, attn.seq_lens, attn.block_tables):
+        if qlen == 1:
+            decodes.append((start, slen, table))
+        elif qlen == slen:
+            plan.prefills.append(_Prefill(start, qlen, slen, None, None))
+        else:
+            blocks = torch.tensor(table[: -(-slen // bs)], dtype=torch.int64, device=dev)
+            mask = torch.arange(slen, device=dev)[None, :] <= torch.arange(slen - qlen, slen, device=dev)[:, None]
+            plan.prefills.append(_Prefill(start, qlen, slen, blocks, mask))
+        start += qlen
+    decodes.sort(key=lambda d: d[1])
+    while decodes:  # shortest first; a group takes sequences up to twice its shortest context
+        limit = 2 * decodes[0][1]
+        n = next((k for k, d in enumerate(decodes) if d[1] > limit), len(decodes))
+        plan.decode_groups.append(_decode_group(decodes[:n], bs, num_tokens, dev))
+        decodes = decodes[n:]
     return plan
 
 
-def _decode_group(tokens: list[int], ctx: list[tuple[torch.Tensor, torch.Tensor]], dev: torch.device) -> _DecodeGroup:
-    m = max(b.numel() for b, _ in ctx)
-    blocks = torch.zeros(len(tokens), m, dtype=torch.int64)
-    offsets = torch.zeros(len(tokens), m, dtype=torch.int64)
-    mask = torch.zeros(len(tokens), 1, 1, m, dtype=torch.bool)
-    for j, (b, o) in enumerate(ctx):
-        blocks[j, : b.numel()], offsets[j, : o.numel()], mask[j, ..., : b.numel()] = b, o, True
-    return _DecodeGroup(torch.tensor(tokens, dtype=torch.int64, device=dev), blocks.to(dev), offsets.to(dev), mask.to(dev))
+def _decode_group(decodes: list[tuple[int, int, list[int]]], bs: int, num_tokens: int, dev: torch.device) -> _DecodeGroup:
+    tokens = [d[0] for d in decodes]
+    length = max(d[1] for d in decodes)
+    m = -(-length // bs)
+    blocks: list[int] = []
+    for _, slen, table in decodes:
+        used = table[: -(-slen // bs)]
+        blocks += used + [used[-1]] * (m - len(used))  # padding blocks are masked out
+    mask = None
+    if any(d[1] != length for d in decodes):
+        lens = torch.tensor([d[1] for d in decodes])
+        mask = (torch.arange(length)[None, :] < lens[:, None]).view(len(decodes), 1, 1, length).to(dev)
+    in_order = sorted(tokens) == tokens and len(tokens) == num_tokens
+    return _DecodeGroup(None if in_order else torch.tensor(tokens, dtype=torch.int64, device=dev),
+                        torch.tensor(blocks, dtype=torch.int64, device=dev), m, length, mask)
 
 
-def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """``[..., Hkv, S, D]`` -> ``[..., Hkv * groups, S, D]``; KV head h serves query heads h*groups..h*groups+groups-1."""
-    return x if groups == 1 else x.repeat_interleave(groups, dim=-3)
-
-
-def paged_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, layer: int, plan: AttentionPlan
-) -> torch.Tensor:
+def paged_attention(qkv: torch.Tensor, kv_cache: torch.Tensor, layer: int, plan: AttentionPlan,
+                    num_heads: int, num_kv_heads: int) -> torch.Tensor:
     """Write new K/V for ``layer`` into the cache, then attend.
 
     Args:
-        q: ``[T, Hq, D]`` queries (RoPE applied). k, v: ``[T, Hkv, D]`` new keys/values (RoPE applied to k).
+        qkv: ``[T, num_heads + 2 * num_kv_heads, head_dim]``: queries, keys, values of the new tokens
+            (q and k RoPE-rotated); k and v heads are adjacent, so K/V are written without a copy.
         kv_cache: 6-D cache, updated in place at the planned slots.
     Returns:
-        ``[T, Hq, D]`` attention output (softmax scale 1/sqrt(D)).
+        ``[T, num_heads * head_dim]`` attention output (softmax scale 1/sqrt(head_dim)).
     """
-    groups = q.shape[1] // k.shape[1]
-    kv_cache[plan.write_blocks, layer, :, plan.write_offsets] = torch.stack((k, v), dim=1)
-    out = torch.empty_like(q)
+    t, _, d = qkv.shape
+    hq, hkv = num_heads, num_kv_heads
+    cache = kv_cache.select(1, layer)  # [N, 2, bs, Hkv, D]
+    cache[plan.write_blocks, :, plan.write_offsets] = qkv[:, hq:].view(t, 2, hkv, d)
+    q = qkv[:, :hq]
+    if len(plan.decode_groups) == 1 and plan.decode_groups[0].tokens is None and not plan.prefills:
+        return _decode(q, cache, plan.decode_groups[0]).view(t, hq * d)  # decode-only batch: no scatter
+    out = torch.empty(t, hq, d, dtype=qkv.dtype, device=qkv.device)
     for g in plan.decode_groups:
-        ctx = kv_cache[g.blocks, layer, :, g.offsets]  # [B, M, 2, Hkv, D]
-        kc = _expand_kv(ctx[:, :, 0].transpose(1, 2), groups)  # [B, Hq, M, D]
-        vc = _expand_kv(ctx[:, :, 1].transpose(1, 2), groups)
-        qd = q[g.tokens].unsqueeze(2)  # [B, Hq, 1, D]
-        o = F.scaled_dot_product_attention(qd, kc, vc, attn_mask=g.mask)
-        out[g.tokens] = o.squeeze(2)
-    for p in plan.prefills:
-        qs = q[p.start : p.start + p.qlen].transpose(0, 1).unsqueeze(0)  # [1, Hq, qlen, D]
-        if p.ctx_blocks is None:  # all context is new: use k/v directly (identical to the cached copy)
-            kc = k[p.start : p.start + p.qlen]
-            vc = v[p.start : p.start + p.qlen]
-            mask, causal = None, True
+        if g.tokens is None:
+            out[:] = _decode(q, cache, g).squeeze(2)
         else:
-            ctx = kv_cache[p.ctx_blocks, layer, :, p.ctx_offsets]  # [S, 2, Hkv, D]
-            kc, vc = ctx[:, 0], ctx[:, 1]
-            qpos = torch.arange(p.seq_len - p.qlen, p.seq_len, device=q.device)
-            mask = torch.arange(p.seq_len, device=q.device)[None, :] <= qpos[:, None]  # [qlen, S]
-            causal = False
-        kc = _expand_kv(kc.transpose(0, 1).unsqueeze(0), groups)
-        vc = _expand_kv(vc.transpose(0, 1).unsqueeze(0), groups)
-        o = F.scaled_dot_product_attention(qs, kc, vc, attn_mask=mask, is_causal=causal)
+            out[g.tokens] = _decode(q[g.tokens], cache, g).squeeze(2)
+    for p in plan.prefills:  # 4-D SDPA inputs: 3-D ones took a slower kernel (3-5x at 512 tokens, torch 2.13 CPU)
+        qs = q[p.start : p.start + p.qlen].transpose(0, 1).unsqueeze(0)  # [1, Hq, qlen, D]
+        if p.blocks is None:  # all context is new: attend over this step's K/V (identical to the cached copy)
+            kc = qkv[p.start : p.start + p.qlen, hq : hq + hkv].transpose(0, 1).unsqueeze(0)  # [1, Hkv, S, D]
+            vc = qkv[p.start : p.start + p.qlen, hq + hkv :].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qs, kc, vc, is_causal=True, enable_gqa=True)
+        else:
+            kc, vc = _gather(cache, p.blocks, p.seq_len)
+            o = F.scaled_dot_product_attention(qs, kc, vc, attn_mask=p.mask, enable_gqa=True)
         out[p.start : p.start + p.qlen] = o[0].transpose(0, 1)
-    return out
+    return out.view(t, hq * d)
+
+
+def _gather(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Whole-block gather of K and V: ``[B, Hkv, length, D]`` each, for ``blocks`` = B x M block ids."""
+    _, _, bs, hkv, d = cache.shape
+    m = blocks.numel()
+    k = cache[:, 0].index_select(0, blocks).view(-1, m * bs, hkv, d)  # [B, M * bs, Hkv, D]
+    v = cache[:, 1].index_select(0, blocks).view(-1, m * bs, hkv, d)
+    return k[:, :length].transpose(1, 2), v[:, :length].transpose(1, 2)
+
+
+def _decode(q: torch.Tensor, cache: torch.Tensor, g: _DecodeGroup) -> torch.Tensor:
+    """q: ``[B, Hq, D]`` -> ``[B, Hq, 1, D]``: one query token per sequence over its whole-block context."""
+    b, _, bs, hkv, d = q.shape[0], *cache.shape[1:]
+    k = cache[:, 0].index_select(0, g.blocks).view(b, g.num_blocks * bs, hkv, d)[:, : g.length].transpose(1, 2)
+    v = cache[:, 1].index_select(0, g.blocks).view(b, g.num_blocks * bs, hkv, d)[:, : g.length].transpose(1, 2)
+    return F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=g.mask, enable_gqa=True)

@@ -7,6 +7,7 @@ read by :mod:`splitserve.model.loader_gguf`. ``gguf`` itself needs numpy.
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ from gguf import GGUFReader
 
 from splitserve.model.config import ARCHITECTURES, ModelConfig, ModelParts
 from splitserve.model.gguf_tokenizer import build_gguf_tokenizer
+from splitserve.dtypes import resolve_dtype
 from splitserve.model.tokenizer import Tokenizer
 
 ARCH_TO_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -70,6 +72,16 @@ def _config(meta: dict[str, Any], arch: str, tensors: dict[str, Any], dtype: str
     )
 
 
+_AUTO_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+
+
+def checkpoint_dtype(tensors: dict[str, Any]) -> str:
+    """The dtype ``--dtype auto`` runs a GGUF file in: the type most matrix weights are stored in (float32 for
+    F32, float16 for F16, bfloat16 for BF16, float32 for quantised types, which are dequantised at load)."""
+    kinds = Counter(t.tensor_type.name for t in tensors.values() if len(t.shape) >= 2)
+    return _AUTO_DTYPES.get(kinds.most_common(1)[0][0], "float32") if kinds else "float32"
+
+
 def _token_id(meta: dict[str, Any], key: str, n_vocab: int) -> int | None:
     """A special-token id, or None when absent or a placeholder (e.g. 0xFFFFFFFF)."""
     v = meta.get(f"tokenizer.ggml.{key}")
@@ -97,7 +109,7 @@ def read_gguf(path: Path, dtype: str = "float32") -> tuple[GGUFReader, ModelPart
     raw = {t.name: t for t in reader.tensors}
     if "token_embd.weight" not in raw:
         raise ValueError(f"{path} has no token_embd.weight tensor")
-    config = _config(meta, arch, raw, dtype)
+    config = _config(meta, arch, raw, resolve_dtype(dtype, checkpoint_dtype(raw)))
 
     hf_tok = build_gguf_tokenizer(meta)
     tokens = meta["tokenizer.ggml.tokens"]

@@ -13,6 +13,7 @@ from typing import Any
 import tokenizers
 
 from splitserve.model.config import ModelParts, config_from_hf, sliding_window_of
+from splitserve.dtypes import hf_checkpoint_dtype, resolve_dtype
 from splitserve.model.tokenizer import Tokenizer, backend_adds_bos, token_content
 
 
@@ -93,7 +94,7 @@ def read_hf_folder(folder: Path, dtype: str = "float32") -> ModelParts:
     if not cfg_path.is_file():
         raise FileNotFoundError(f"{folder} is not a Hugging Face model folder: no config.json")
     raw = read_json(cfg_path)
-    config = config_from_hf(raw, dtype)
+    config = config_from_hf(raw, resolve_dtype(dtype, hf_checkpoint_dtype(raw)))  # "auto": config.json's torch_dtype
     gen = _opt_json(folder / "generation_config.json")
     eos_ids = _as_ids(gen.get("eos_token_id")) or _as_ids(raw.get("eos_token_id"))
     tok = load_tokenizer(folder, raw, eos_ids)

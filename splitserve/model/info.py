@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from splitserve.dtypes import check_model_dtype
+from splitserve.dtypes import check_dtype_choice
 from splitserve.model.config import ModelConfig, ModelParts, make_model_id
 from splitserve.model.synthetic import SYNTHETIC_PREFIX, is_synthetic, load_synthetic
 from splitserve.model.tokenizer import Tokenizer
@@ -109,6 +109,6 @@ def load_model_info(path: str | Path, dtype: str = "float32") -> ModelInfo:
         ValueError: bad dtype, not a model folder/GGUF file, or malformed contents.
         NotImplementedError: an architecture or feature the model code does not support.
     """
-    check_model_dtype(dtype)
+    check_dtype_choice(dtype)
     source = model_source(path)
     return info_of(read_parts(source, dtype), source.name)

@@ -2,7 +2,10 @@
 
 Parameter names match Hugging Face (``model.layers.N.self_attn.q_proj.weight`` ...), so a HF state
 dict loads directly. ``build_model`` constructs the module on the meta device and assigns the
-loaded tensors, so nothing is randomly initialised.
+loaded tensors, so nothing is randomly initialised; it then fuses q/k/v into ``qkv_proj`` and gate/up
+into ``gate_up_proj``. The forward is plain ``torch``/``F`` calls per layer (no submodule calls): RMSNorm,
+one QKV GEMM, RoPE in place, paged attention, o_proj + residual in one ``addmm``, one gate/up GEMM,
+SiLU * up in place, down_proj + residual in one ``addmm``.
 """
 
 from __future__ import annotations
@@ -10,14 +13,20 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+import torch.nn.functional as F
+
 from splitserve.model.attention import AttentionMetadata, paged_attention, plan_attention
+from splitserve.model.attention_ref import reference_attention
 from splitserve.model.config import ModelConfig
-from splitserve.model.layers import RMSNorm, SwiGLUMLP
-from splitserve.model.rope import RotaryEmbedding, apply_rope
+from splitserve.model.layers import RMSNorm, SwiGLUMLP, TransposedLinear
+from splitserve.model.rope import RotaryEmbedding, apply_rope_
 from splitserve.transfer.kv_cache import torch_dtype
 
 
 class Attention(nn.Module):
+    """Self-attention. Built with HF's q/k/v/o_proj (weights load by name); ``fuse`` replaces q/k/v with one
+    ``qkv_proj`` (outputs: q, k, v heads in order) and o_proj with a TransposedLinear."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         dt, h, d = torch_dtype(cfg.dtype), cfg.hidden_size, cfg.head_dim
@@ -26,23 +35,35 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.attention_bias, dtype=dt)
         self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.attention_bias, dtype=dt)
         self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=cfg.o_proj_bias, dtype=dt)
+        self.qkv_proj: nn.Linear | None = None
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dt)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dt)
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x, cos, sin, kv_cache, layer, plan):
-        """x: ``[T, hidden]`` -> ``[T, hidden]``; writes this layer's K/V into ``kv_cache``."""
-        t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+    def fuse(self) -> None:
+        """Concatenate q/k/v_proj into qkv_proj (one GEMM per step instead of three)."""
+        self.qkv_proj = TransposedLinear.of(self.q_proj, self.k_proj, self.v_proj)
+        self.o_proj = TransposedLinear.of(self.o_proj)
+        del self.q_proj, self.k_proj, self.v_proj
+
+    def forward_add(self, h, x, cos, sin, kv_cache, layer, plan, attn):
+        """``h + attention(x)``: h, x ``[T, hidden]``; writes this layer's K/V into ``kv_cache``.
+        ``plan`` (from plan_attention) selects the block-gather path; None the reference path over ``attn``."""
+        t, hq, hkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj.forward(x).view(t, hq + 2 * hkv, d)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = paged_attention(q, k, v, kv_cache, layer, plan)
-        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+            eps = self.q_norm.eps
+            qkv[:, :hq] = F.rms_norm(qkv[:, :hq], (d,), self.q_norm.weight, eps)
+            qkv[:, hq : hq + hkv] = F.rms_norm(qkv[:, hq : hq + hkv], (d,), self.k_norm.weight, eps)
+        apply_rope_(qkv[:, : hq + hkv], cos, sin)
+        if plan is None:
+            o = reference_attention(qkv, kv_cache, layer, attn, hq, hkv)
+        else:
+            o = paged_attention(qkv, kv_cache, layer, plan, hq, hkv)
+        out = torch.addmm(h, o, self.o_proj.weight_t)
+        return out if self.o_proj.bias is None else out.add_(self.o_proj.bias)
 
 
 class DecoderLayer(nn.Module):
@@ -52,10 +73,13 @@ class DecoderLayer(nn.Module):
         self.mlp = SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size, torch_dtype(cfg.dtype))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, torch_dtype(cfg.dtype))
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, torch_dtype(cfg.dtype))
+        self.norm_shape = (cfg.hidden_size,)
 
-    def forward(self, h, cos, sin, kv_cache, layer, plan):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, layer, plan)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h, cos, sin, kv_cache, layer, plan, attn=None):
+        """h: ``[T, hidden]`` -> ``[T, hidden]`` (plain torch calls, no submodule __call__)."""
+        n1, n2 = self.input_layernorm, self.post_attention_layernorm
+        h = self.self_attn.forward_add(h, F.rms_norm(h, self.norm_shape, n1.weight, n1.eps), cos, sin, kv_cache, layer, plan, attn)
+        return self.mlp.forward_add(h, F.rms_norm(h, self.norm_shape, n2.weight, n2.eps))
 
 
 class DecoderStack(nn.Module):
@@ -70,8 +94,8 @@ class CausalLM(nn.Module):
     """The full model. Call ``model(input_ids, positions, kv_cache, attn)``.
 
     Attributes:
-        fast_decode: when True (default) all query_len == 1 sequences of a batch share one padded
-            SDPA call; when False every sequence runs its own call (reference path for tests).
+        reference_attention: False (default): block-gather paged attention (``attention.py``); True: the
+            per-token reference path (``attention_ref.py``), for tests.
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -80,7 +104,13 @@ class CausalLM(nn.Module):
         self.model = DecoderStack(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=torch_dtype(cfg.dtype))
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        self.fast_decode = True
+        self.reference_attention = False
+
+    def fuse_projections(self) -> None:
+        """Fuse q/k/v and gate/up projections in place (after the HF-named weights are loaded)."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int, int, int]:
         """``(num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)``."""
@@ -122,13 +152,16 @@ class CausalLM(nn.Module):
         if kv_cache.device != dev:
             raise ValueError(f"kv_cache is on {kv_cache.device} but the model is on {dev}")
         input_ids, positions = input_ids.to(dev), positions.to(dev)
-        plan = plan_attention(attn, input_ids.shape[0], kv_cache, fast_decode=self.fast_decode)
-        h = self.model.embed_tokens(input_ids)
-        cos, sin = self.rotary(positions, h.dtype)
+        plan = plan_attention(attn, input_ids.shape[0], kv_cache)
+        h = F.embedding(input_ids, self.model.embed_tokens.weight)
+        cos, sin = self.rotary.cos_sin(positions, max(attn.seq_lens), h.dtype)
+        ref = self.reference_attention
         for i, layer in enumerate(self.model.layers):
-            h = layer(h, cos, sin, kv_cache, i, plan)
-        last = self.model.norm(h[plan.last_token_index])
-        return self.lm_head(last).float()
+            h = layer.forward(h, cos, sin, kv_cache, i, None if ref else plan, attn)
+        if plan.last_token_index is not None:
+            h = h[plan.last_token_index]
+        last = F.rms_norm(h, (c.hidden_size,), self.model.norm.weight, self.model.norm.eps)
+        return F.linear(last, self.lm_head.weight).float()
 
 
 def build_model(cfg: ModelConfig, state_dict: dict[str, torch.Tensor]) -> CausalLM:
@@ -162,4 +195,5 @@ def build_model(cfg: ModelConfig, state_dict: dict[str, torch.Tensor]) -> Causal
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    model.fuse_projections()
     return model.eval().requires_grad_(False)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from splitserve.dtypes import check_model_dtype
+from splitserve.dtypes import check_dtype_choice
 from splitserve.model.config import ModelConfig
 from splitserve.model.info import info_of, model_source, read_parts
 from splitserve.model.llama import CausalLM, build_model
@@ -49,14 +49,16 @@ def load_model(path: str | Path, dtype: str = "float32", *, weights: bool = True
     Args:
         path: HF folder (config.json + *.safetensors + tokenizer.json), a GGUF file, or
             ``"synthetic:NAME"`` (seeded random weights for benchmarks, see ``model.synthetic``).
-        dtype: "float32" (default), "float16" or "bfloat16" for weights and the KV cache.
+        dtype: "float32" (default), "float16" or "bfloat16" for weights and the KV cache, or "auto": the
+            checkpoint's (config.json ``torch_dtype``; a GGUF file's weight type, float32 for quantized
+            types, which are dequantised at load; float32 for synthetic models).
         weights: False reads only config, tokenizer and generation settings (no tensors).
     Raises:
         FileNotFoundError: the path or a required file does not exist.
         ValueError: bad dtype, not a model folder/GGUF file, or malformed contents.
         NotImplementedError: an architecture or feature the model code does not support.
     """
-    check_model_dtype(dtype)
+    check_dtype_choice(dtype)
     source = model_source(path)
     parts = _WITH_WEIGHTS[source.kind](source.location, dtype) if weights else read_parts(source, dtype)
     info = info_of(parts, source.name)

@@ -2,8 +2,10 @@
 
 Metadata, config and tokenizer come from :func:`splitserve.model.gguf_meta.read_gguf`. llama.cpp's
 converter permutes the Q and K projection rows of "llama" models so that RoPE rotates adjacent pairs;
-we undo that permutation to get HF's rotate-half layout. Quantized tensors are dequantized with
-``gguf.quants.dequantize``.
+we undo that permutation to get HF's rotate-half layout. Tensor types F32, F16, BF16 and Q8_0 are
+supported (tested); every tensor is dequantised to float32 at load with ``gguf.quants.dequantize`` (other
+quantised types gguf can dequantise load too), then cast to the run dtype: quantised weights take their
+full-precision size in memory and run as float matmuls. ``dtype="auto"``: see ``gguf_meta.checkpoint_dtype``.
 """
 
 from __future__ import annotations

@@ -53,12 +53,24 @@ def _llama3(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """Computes cos/sin tables for arbitrary positions.
 
-    ``inv_freq`` is a float32 non-persistent buffer so ``.to(device)`` moves it.
+    ``inv_freq`` is a float32 non-persistent buffer so ``.to(device)`` moves it. ``cos_sin`` reads a
+    table of every position below the longest seen so far (grown by doubling, kept per dtype).
     """
 
     def __init__(self, head_dim: int, theta: float, scaling: dict | None = None):
         super().__init__()
         self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling), persistent=False)
+        self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def cos_sin(self, positions: torch.Tensor, max_position: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: int ``[T]``, all below ``max_position`` -> (cos, sin), each ``[T, 1, head_dim]`` in
+        ``dtype``; the same values as ``forward`` (computed in float32, then cast)."""
+        table = self._tables.get(dtype)
+        if table is None or table[0].shape[0] < max_position:
+            n = max(256, 1 << (max_position - 1).bit_length())
+            table = self.forward(torch.arange(n, device=self.inv_freq.device), dtype)
+            self._tables[dtype] = table
+        return table[0][positions].unsqueeze(1), table[1][positions].unsqueeze(1)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: int ``[T]`` -> (cos, sin), each ``[T, head_dim]`` in ``dtype`` (computed in float32)."""
@@ -70,6 +82,13 @@ class RotaryEmbedding(nn.Module):
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate x ``[T, H, D]`` in place (a view into the fused qkv output); cos/sin: ``[T, 1, D]``."""
+    half = x.shape[-1] // 2
+    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    x.mul_(cos).addcmul_(rot, sin)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

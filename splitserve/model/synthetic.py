@@ -22,6 +22,7 @@ import hashlib
 import re
 from typing import TYPE_CHECKING
 
+from splitserve.dtypes import resolve_dtype
 from splitserve.model.config import ARCHITECTURES, ModelConfig, ModelParts
 from splitserve.model.hf_folder import load_tokenizer
 from splitserve.model.tokenizer import Tokenizer
@@ -113,7 +114,7 @@ def load_synthetic(name: str, dtype: str = "float32", *, weights: bool = True) -
     """
     folder = default_model_path()
     tokenizer = load_tokenizer(folder, {"bos_token_id": 1, "eos_token_id": 2}, [2])
-    config = synthetic_config(name, dtype, tokenizer.vocab_size)
+    config = synthetic_config(name, resolve_dtype(dtype, "float32"), tokenizer.vocab_size)
     sd = synthetic_state_dict(name, config, never_emitted_token_ids(tokenizer)) if weights else {}
     return ModelParts(config, sd, tokenizer, tokenizer.eos_token_ids, MAX_MODEL_LEN)
 

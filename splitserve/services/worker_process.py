@@ -36,7 +36,7 @@ async def start_engine(config: WorkerConfig) -> tuple[Any, AsyncEngine]:
     """Apply the process settings, load the model and start the engine thread. Returns (model, engine)."""
     keepalive.configure(config.keepalive)
     set_torch_threads(config.torch_threads)
-    lm = load_model(config.model)
+    lm = load_model(config.model, dtype=config.engine.dtype)
     engine = AsyncEngine(lm, config.engine)
     apply_engine_faults(engine)  # tests only (PD_FAULT_STEP_DELAY_MS)
     await engine.start()
