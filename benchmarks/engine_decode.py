@@ -90,7 +90,8 @@ def main() -> None:
     a = ap.parse_args()
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; torch {torch.__version__}, "
           f"{torch.backends.cpu.get_cpu_capability()}")
-    print("| model | dtype | threads | decode tok/s | step ms (wall) | step ms (CPU, 1 thread) | step MB | buffer read GB/s | read fraction | prefill tok/s |")
+    print("| model | dtype | threads | decode tok/s | step ms (wall) | step ms (CPU, 1 thread) | step MB | buffer read GB/s "
+          "| read fraction | prefill tok/s |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for model in a.models.split(","):
         for dtype in a.dtypes.split(","):
