@@ -24,8 +24,11 @@ lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/buf lint protos
 
+# the whole suite in file order, then the fast tests again in random order (pytest-randomly prints its seed:
+# pytest -m "not slow" --randomly-seed=N reproduces an order)
 test: lint
-	$(PY) -m pytest -q --durations=25
+	$(PY) -m pytest -q -p no:randomly --durations=25
+	$(PY) -m pytest -q -m "not slow"
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow"
