@@ -14,6 +14,7 @@ from splitserve.services.decode.worker import DecodeJob, DecodeRun, DecodeWorker
 from splitserve.services.prefill.kv_store import PrefillStore
 from splitserve.services.prefill.worker import PrefillResult, PrefillWorker
 from splitserve.transfer import create_receiver, create_sender
+from tests.idle import wait_idle
 from tests.memory_kvstore import MemoryStoreClient
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -99,15 +100,15 @@ def dropped_owners(caplog) -> list[str]:
     return [r.getMessage() for r in records if r.name == "splitserve.engine.owned_blocks"]
 
 
-async def assert_no_leak(pair: Pair, caplog=None) -> None:
-    """Both pools back to every block free, nothing running or held (background store writes may finish first);
-    with ``caplog``, no owner was dropped without being freed."""
-    if pair.prefill.store is not None:
-        await until(lambda: pair.prefill.store.writes_in_flight == 0, "KV store writes finished")
-    for engine in (pair.p_engine, pair.d_engine):
-        stats = await engine.stats()  # answered after every free queued before it
-        assert stats["kv_blocks_free"] == stats["kv_blocks_total"] == engine.num_blocks, stats
-        assert stats["requests_running"] == stats["requests_waiting"] == stats["kv_allocations_waiting"] == 0, stats
-    assert len(pair.prefill.leases) == 0 and pair.prefill.in_flight == 0 and pair.decode.streams_open == 0
+async def assert_no_leak(pair: Pair, caplog=None, timeout_s: float = 5.0) -> None:
+    """Both workers idle by the one definition (tests/idle.py: every KV block free, nothing running, waiting,
+    streaming, leased or being written to the store; background store writes may finish first); with
+    ``caplog``, no owner was dropped without being freed."""
+
+    async def read():
+        return ({"prefill": {**await pair.p_engine.stats(), **pair.prefill.stats()},
+                 "decode": {**await pair.d_engine.stats(), **pair.decode.stats()}}, None)
+
+    await wait_idle(read, timeout_s)
     if caplog is not None:
         assert dropped_owners(caplog) == []
