@@ -91,7 +91,12 @@ class Cluster:
         child.proc = subprocess.Popen(child.argv, env=env, preexec_fn=_die_with_parent, start_new_session=True)
 
     def wait_healthy(self, timeout_s: float = 180.0, children: list[Child] | None = None) -> None:
-        """Raises RuntimeError if a process exits or is not healthy within ``timeout_s``."""
+        """Wait until every process (default: all) answers its health check and, when the router is among them,
+        the router has every worker in rotation (its ``/health`` is 200 as soon as one decode worker is up; a
+        request sent before its first poll of a prefill worker would be prefilled on the decode worker).
+
+        Raises:
+            RuntimeError: a process exits, or is not healthy within ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         pending = list(self.children if children is None else children)
         tls = tls_from_env({**os.environ, **self.env})  # what the children were given
@@ -100,7 +105,7 @@ class Cluster:
                 code = child.proc.poll()
                 if code is not None:
                     raise RuntimeError(f"{child.name} exited with code {code} during start-up")
-                if _healthy(child.health, tls):
+                if _healthy(child.health, tls) and (child.name != "router" or _all_workers_up(child, self.env)):
                     pending.remove(child)
             if time.monotonic() > deadline:
                 raise RuntimeError(f"not healthy after {timeout_s:.0f} s: {', '.join(c.name for c in pending)}")
@@ -170,6 +175,17 @@ def _accepting(target: str) -> bool:
             return True
     except OSError:
         return False
+
+
+def _all_workers_up(router: Child, cluster_env: dict[str, str]) -> bool:
+    """The router's ``GET /v1/workers`` lists every worker as up (with the router's API key, if it has one)."""
+    key = {**os.environ, **cluster_env, **router.env}.get("PD_API_KEY")
+    headers = {"Authorization": f"Bearer {key}"} if key else None
+    try:
+        workers = httpx.get(router.health.removesuffix("/health") + "/v1/workers", timeout=1.0, headers=headers).json()["workers"]
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return False
+    return all(w.get("state") == "up" for w in workers)
 
 
 def _healthy(target: str, tls: TlsConfig | None = None) -> bool:

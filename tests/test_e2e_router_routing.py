@@ -18,7 +18,7 @@ import time
 import grpc
 import httpx
 import pytest
-from pd.v1 import common_pb2, prefill_pb2_grpc
+from pd.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
 from splitserve.launcher import free_port
 from tests.cluster import TEST_ENV, grpc_address, start_cluster
@@ -102,6 +102,16 @@ def _prompt(n: int, seed: int) -> list[int]:
 def _stats(address: str) -> dict[str, float]:
     with grpc.insecure_channel(address) as ch:
         return dict(prefill_pb2_grpc.PrefillServiceStub(ch).GetStats(common_pb2.GetStatsRequest(), timeout=5).counters)
+
+
+def _decode_fallbacks(cluster) -> float:
+    """KV pulls that failed and were recomputed, over both decode workers."""
+    total = 0.0
+    for i in range(2):
+        with grpc.insecure_channel(grpc_address(cluster, f"decode-{i}")) as ch:
+            stub = decode_pb2_grpc.DecodeServiceStub(ch)
+            total += dict(stub.GetStats(common_pb2.GetStatsRequest(), timeout=5).counters)["kv_transfer_fallbacks"]
+    return total
 
 
 def _delta(after: dict[str, int], before: dict[str, int], cluster, role: str) -> list[int]:
@@ -227,10 +237,11 @@ def test_killed_prefill_worker_fails_nothing_goes_down_and_comes_back(rcluster):
     while {w["address"]: w["state"] for w in _workers(base)["workers"]}[address] != "up":
         assert time.monotonic() < deadline, "restarted prefill worker not back in rotation"
         time.sleep(0.3)
-    before = _picks(base)
+    before, fallbacks = _picks(base), _decode_fallbacks(cluster)
     for i in range(4):
         assert _complete(base, _prompt(40, 40000 + i))["status"] == 200
     assert _delta(_picks(base), before, cluster, "prefill") == [2, 2]
+    assert _decode_fallbacks(cluster) == fallbacks  # the decode workers pulled from the new process: no stale endpoint
 
 
 def test_decode_worker_killed_mid_stream_ends_the_stream_with_an_error(rcluster):
