@@ -24,11 +24,12 @@ lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/buf lint protos
 
-# the whole suite in file order, then the fast tests again in random order (pytest-randomly prints its seed:
-# pytest -m "not slow" --randomly-seed=N reproduces an order)
+# the whole suite in file order, then the fast tests again in random order (pytest-randomly; the seed is printed:
+# pytest -m "not slow" -p randomly --randomly-seed=N repeats that order)
 test: lint
 	$(PY) -m pytest -q -p no:randomly --durations=25
-	$(PY) -m pytest -q -m "not slow"
+	seed=$$(od -An -N2 -tu2 /dev/urandom | tr -d ' '); echo "random order: --randomly-seed=$$seed"; \
+	$(PY) -m pytest -q -m "not slow" -p randomly --randomly-seed=$$seed
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow"
