@@ -380,8 +380,14 @@ async def test_unreachable_kv_data_endpoint_falls_back_within_the_timeout(chaos,
     chaos.p0.argv = [*chaos.p0.argv, "--data-advertise", f"127.0.0.1:{dead}"]
     chaos.cluster.start_child(chaos.p0)
     chaos.cluster.wait_healthy(timeout_s=120, children=[chaos.p0])
+    p0_address = Chaos.address(chaos.p0)
+    async with chaos.http() as http:  # the router's channel may be in reconnect backoff (up to 5 s): wait for its poll
+        deadline = time.monotonic() + 60
+        while not any(w["address"] == p0_address and w["state"] == "up" for w in (await http.get("/v1/workers")).json()["workers"]):
+            assert time.monotonic() < deadline, "the router never took the restarted prefill-0 back into rotation"
+            await asyncio.sleep(0.2)
     served_by_p0 = 0
-    for _ in range(6):  # until the router has reconnected to prefill-0 and sent it requests
+    for _ in range(6):  # until the router has sent prefill-0 requests
         t0 = time.monotonic()
         results = await asyncio.gather(*(greedy(chaos, p) for p in PROMPTS))
         assert results == [references[p] for p in PROMPTS]
