@@ -27,7 +27,7 @@ from splitserve.frontend.errors import APIError
 from splitserve.frontend.offload import Offload
 from splitserve.frontend.pipeline import generate_text
 from splitserve.frontend.prepare import PreparedRequest, RequestPreparer, SamplingRequest
-from splitserve.rpc.convert import FINISH_TO_PROTO
+from splitserve.rpc.convert import FINISH_TO_PROTO, sampling_fields
 from splitserve.rpc.status import abort_with
 from splitserve.telemetry.requests import observe_request
 
@@ -38,16 +38,7 @@ DEFAULT_MAX_TOKENS = 16
 def sampling_request(msg: common_pb2.SamplingParams, stop: list[str]) -> SamplingRequest:
     """The request's sampling fields with the proto's defaults (temperature 0 = greedy; top_p and top_k off;
     ``max_tokens`` :data:`DEFAULT_MAX_TOKENS`)."""
-    return SamplingRequest(
-        max_tokens=msg.max_tokens if msg.HasField("max_tokens") else DEFAULT_MAX_TOKENS,
-        temperature=msg.temperature,
-        top_p=msg.top_p if msg.HasField("top_p") else 1.0,
-        top_k=msg.top_k,
-        seed=msg.seed if msg.HasField("seed") else None,
-        stop_token_ids=tuple(msg.stop_token_ids),
-        ignore_eos=msg.ignore_eos,
-        stop=tuple(stop),
-    )
+    return SamplingRequest(**sampling_fields(msg, DEFAULT_MAX_TOKENS), stop=tuple(stop))
 
 
 class RouterServicer(router_pb2_grpc.RouterServiceServicer):

@@ -7,8 +7,9 @@ package, or the torch-free ``load_model_info`` / ``ModelConfig`` / ``Tokenizer``
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from splitserve.lazy import lazy_exports
 
 _EXPORTS = {
     "AttentionMetadata": "splitserve.model.attention",
@@ -30,14 +31,4 @@ if TYPE_CHECKING:
     from splitserve.model.tokenizer import Tokenizer
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_EXPORTS])
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)

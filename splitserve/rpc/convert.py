@@ -31,21 +31,27 @@ def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
     return msg
 
 
+def sampling_fields(msg: common_pb2.SamplingParams, default_max_tokens: int | None) -> dict:
+    """The proto's sampling fields as keyword arguments, with its defaults for unset optional fields
+    (``max_tokens``: ``default_max_tokens``; top_p 1.0; seed None). Shared by the workers and the gRPC front door."""
+    return dict(
+        max_tokens=msg.max_tokens if msg.HasField("max_tokens") else default_max_tokens,
+        temperature=msg.temperature,
+        top_p=msg.top_p if msg.HasField("top_p") else 1.0,
+        top_k=msg.top_k,
+        seed=msg.seed if msg.HasField("seed") else None,
+        stop_token_ids=tuple(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+    )
+
+
 def sampling_from_proto(msg: common_pb2.SamplingParams, default_max_tokens: int | None = None) -> SamplingParams:
     """Raises InvalidRequest on out-of-range values, and when ``max_tokens`` is unset and there is no
     ``default_max_tokens`` (workers: the router always sets it)."""
     if not msg.HasField("max_tokens") and default_max_tokens is None:
         raise InvalidRequest("sampling.max_tokens is required")
     try:
-        return SamplingParams(
-            max_tokens=msg.max_tokens if msg.HasField("max_tokens") else default_max_tokens,
-            temperature=msg.temperature,
-            top_p=msg.top_p if msg.HasField("top_p") else 1.0,
-            top_k=msg.top_k,
-            seed=msg.seed if msg.HasField("seed") else None,
-            stop_token_ids=tuple(msg.stop_token_ids),
-            ignore_eos=msg.ignore_eos,
-        )
+        return SamplingParams(**sampling_fields(msg, default_max_tokens))
     except ValueError as exc:
         raise InvalidRequest(str(exc)) from exc
 

@@ -7,8 +7,9 @@ the ``ucx`` backend is loaded only when a sender or receiver of that kind is cre
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from splitserve.lazy import lazy_exports
 
 _EXPORTS = {
     "KVLayout": "splitserve.transfer.layout",
@@ -39,14 +40,4 @@ if TYPE_CHECKING:
     from splitserve.transfer.ucx_runtime import apply_ucx_env_defaults, ucx_env_defaults
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_EXPORTS])
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
