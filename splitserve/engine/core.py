@@ -22,6 +22,7 @@ from typing import Callable
 
 from splitserve.engine.admission import Admission
 from splitserve.engine.block_manager import BlockManager
+from splitserve.engine.logprobs import PromptLogprobs, TokenLogprob
 from splitserve.engine.runner import ModelRunner
 from splitserve.engine.scheduler import Scheduler
 from splitserve.engine.sequence import Sequence, SeqMode
@@ -36,6 +37,10 @@ class RequestOutput:
 
     ``block_ids`` is set only for a finished PREFILL_ONLY request without finish_reason: the
     caller now owns those KV blocks and must free them (``EngineCore.free``).
+
+    ``index`` is the choice (n > 1 requests stream every choice under one request_id; each ends with its
+    own finish_reason). ``logprobs`` (one per token of ``token_ids``) and ``prompt_logprobs`` (first output
+    of a request only) are set when the request's SamplingParams ask for them.
     """
 
     request_id: str
@@ -44,6 +49,9 @@ class RequestOutput:
     block_ids: list[int] | None = None
     cached_tokens: int = 0
     error: Exception | None = None
+    index: int = 0
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class EngineCore:

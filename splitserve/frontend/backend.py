@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from splitserve.engine.logprobs import PromptLogprobs, TokenLogprob
 from splitserve.engine.sampling import SamplingParams
 
 
@@ -25,11 +26,19 @@ class TokenEvent:
             token is included in ``token_ids``), "length" (max_tokens reached) or "abort".
         cached_tokens: prompt tokens served from a prefix cache (reported as
             ``usage.prompt_tokens_details.cached_tokens``); may be set on any event.
+        index: the choice these tokens belong to (0..n-1; ``params.n`` > 1 interleaves the choices'
+            events, each choice ends with its own ``finish_reason``; the stream ends when all have).
+        logprobs: when ``params.logprobs`` is set, one :class:`TokenLogprob` per token of ``token_ids``.
+        prompt_logprobs: when ``params.prompt_logprobs`` is set, the prompt's logprobs (first entry None),
+            on the first event of the stream only.
     """
 
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     cached_tokens: int = 0
+    index: int = 0
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 @runtime_checkable
