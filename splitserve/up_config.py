@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from splitserve.dtypes import DTYPE_CHOICES, check_dtype_choice
 from splitserve.cli_help import SECRET_DEFAULT, new_parser
+from splitserve.cpus import check_cpus
 from splitserve.env import env_choice, env_float, env_int, env_str
 from splitserve.paths import default_model_path
 from splitserve.rpc.shutdown import DEFAULT_GRACE_S
@@ -68,6 +69,8 @@ class UpConfig:
     tls: TlsConfig = TlsConfig()
     served_model_name: str | None = None
     api_key: str | None = field(default=None, repr=False)
+    prefill_cpus: str = ""
+    decode_cpus: str = ""
 
     def __post_init__(self) -> None:
         if self.num_prefill < 1 or self.num_decode < 1:
@@ -87,6 +90,12 @@ class UpConfig:
         check_dtype_choice(self.dtype)
         if self.max_model_len < 0:
             raise ValueError(f"--max-model-len must be >= 0 (0: the model's context length), got {self.max_model_len}")
+        for flag, cpus in (("--prefill-cpus", self.prefill_cpus), ("--decode-cpus", self.decode_cpus)):
+            if cpus:
+                try:
+                    check_cpus(cpus)
+                except ValueError as exc:
+                    raise ValueError(f"{flag}: {exc}") from None
         if self.tls.enabled and not self.tls.cert_file:
             raise ValueError("TLS: the cluster's gRPC servers need --tls-cert and --tls-key (PD_TLS_CERT, PD_TLS_KEY)")
 
@@ -95,6 +104,10 @@ class UpConfig:
         return ["--transport", self.transport, "--block-size", str(self.block_size), "--kv-cache-mb",
                 str(self.kv_cache_mb), "--kv-transfer-mode", self.kv_transfer_mode, "--dtype", self.dtype,
                 "--max-model-len", str(self.max_model_len)]
+
+    def role_args(self) -> dict[str, list[str]]:
+        """Flags only the workers of one role get: their CPU pinning (``--cpus``)."""
+        return {role: ["--cpus", cpus] for role, cpus in (("prefill", self.prefill_cpus), ("decode", self.decode_cpus)) if cpus}
 
     def router_args(self) -> list[str]:
         """Flags the router gets on top of its addresses and ports."""
@@ -160,6 +173,10 @@ def parse(argv: list[str] | None = None) -> UpConfig:
                     help="workers' weights and KV cache dtype (PD_DTYPE; auto: the checkpoint's)")
     ap.add_argument("--max-model-len", type=int, default=env_int("PD_MAX_MODEL_LEN", 0),
                     help="workers' context limit in tokens, prompt + output (PD_MAX_MODEL_LEN; 0: the model's)")
+    ap.add_argument("--prefill-cpus", default=env_str("PD_PREFILL_CPUS", ""),
+                    help="pin every prefill worker to these CPUs, e.g. 0 (PD_PREFILL_CPUS; empty: not pinned)")
+    ap.add_argument("--decode-cpus", default=env_str("PD_DECODE_CPUS", ""),
+                    help="pin every decode worker to these CPUs, e.g. 1 (PD_DECODE_CPUS; empty: not pinned)")
     ap.add_argument("--store-nodes", type=int, default=env_int("PD_KVSTORE_NODES", 1),
                     help="KV store storage nodes (with a master); prefix blocks are reused across requests")
     ap.add_argument("--no-store", action="store_true", help="run without the KV store (no master, no storage nodes)")
@@ -189,4 +206,5 @@ def parse(argv: list[str] | None = None) -> UpConfig:
         store_nodes=0 if a.no_store else a.store_nodes, store_mb=a.store_mb,
         store_replicas=a.store_replicas, policy=a.policy, disagg=a.disagg, shutdown_grace_s=a.shutdown_grace_s,
         otlp_endpoint=otlp, tls=tls_config(a), served_model_name=a.served_model_name, api_key=a.api_key,
+        prefill_cpus=a.prefill_cpus, decode_cpus=a.decode_cpus,
     )

@@ -23,7 +23,8 @@ from pathlib import Path
 
 from splitserve.bench.client import run_requests
 from splitserve.bench.metrics import SLO
-from splitserve.bench.pin import parse_cpus, pinned
+from splitserve.bench.pin import pinned
+from splitserve.cpus import parse_cpus
 from splitserve.bench.report import RunResult
 from splitserve.bench.sysload import CpuWindow
 from splitserve.bench.workloads import RequestSpec, Workload

@@ -14,16 +14,7 @@ from __future__ import annotations
 import os
 import sys
 
-
-def parse_cpus(text: str) -> set[int]:
-    """``"0,2-3"`` -> ``{0, 2, 3}``. Raises ValueError on a malformed list."""
-    cpus: set[int] = set()
-    for part in text.split(","):
-        lo, _, hi = part.strip().partition("-")
-        if not lo.isdigit() or (hi and not hi.isdigit()):
-            raise ValueError(f"bad CPU list {text!r}")
-        cpus.update(range(int(lo), int(hi or lo) + 1))
-    return cpus
+from splitserve.cpus import parse_cpus
 
 
 def pinned(cpus: str, argv: list[str], nice: int | None = None) -> list[str]:

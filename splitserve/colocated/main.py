@@ -27,6 +27,7 @@ from splitserve.rpc.keepalive import add_keepalive_args, keepalive_config
 from splitserve.rpc.server import bind, create_server, set_serving
 from splitserve.rpc.shutdown import Drain, add_shutdown_args, check_grace, serve_until_signalled
 from splitserve.rpc.tls import add_tls_args, tls_config
+from splitserve.cpus import check_cpus, pin_process
 from splitserve.served_model import ServedModel
 from splitserve.telemetry.asgi import instrument_app, metrics_route
 from splitserve.telemetry.exposition import register_engine
@@ -38,6 +39,7 @@ logger = logging.getLogger("splitserve.colocated")
 
 async def serve(args: argparse.Namespace) -> None:
     keepalive.configure(keepalive_config(args))
+    pin_process(args.cpus)
     set_torch_threads(args.torch_threads)
     lm = load_model(args.model, dtype=args.dtype)
     engine = AsyncEngine(lm, engine_config(args))
@@ -94,6 +96,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     if not args.stats_log_interval_s >= 0:
         raise ValueError(f"--stats-log-interval-s must be >= 0 (0: off), got {args.stats_log_interval_s}")
     engine_config(args)  # the frozen configs validate themselves (ValueError)
+    if args.cpus:
+        check_cpus(args.cpus)
     tls_config(args)
     keepalive_config(args)
     check_grace(args.shutdown_grace_s)

@@ -36,6 +36,9 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--decode-threads", type=int, default=env_int("PD_DECODE_THREADS", 1),
                     help="torch threads of decode steps of fewer than 16 sequences (0: as --torch-threads); 1 by default: "
                          "on a 2-core machine a second thread made such steps slower, not faster")
+    ap.add_argument("--cpus", default=env_str("PD_CPUS", ""),
+                    help="pin this process's threads to these CPUs (e.g. 0 or 0,2-3), so workers sharing a machine do not "
+                         "fight over cores; empty: no pinning")
     ap.add_argument("--dtype", default=env_choice("PD_DTYPE", DTYPE_CHOICES, "auto"), choices=DTYPE_CHOICES,
                     help="weights and KV cache dtype; auto = the checkpoint's (config.json torch_dtype; a GGUF "
                          "file's weight type, float32 for quantized ones)")

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from splitserve.config_checks import check_port
+from splitserve.cpus import check_cpus
 from splitserve.engine.args import add_engine_args, engine_config
 from splitserve.engine.config import EngineConfig
 from splitserve.env import env_int, env_str
@@ -31,14 +32,15 @@ class WorkerConfig:
     host, port: the gRPC control address (port 0: any free port).
     transport: KV transfer backend ("ucx"; "inproc" in tests).
     torch_threads: intra-op threads of this process's torch.
+    cpus: CPU list every thread of the process is pinned to (``--cpus``, e.g. "0,2-3"); "" = not pinned.
     metrics_port: HTTP GET /metrics (Prometheus) on host:metrics_port; 0 = any free port, -1 = off.
     engine, store, tls, keepalive: the engine (KV pool, batching), KV store client, gRPC TLS and keepalive settings.
     shutdown_grace_s: on SIGTERM, in-flight calls may finish within this many seconds (0: stop at once).
     stats_log_interval_s: seconds between the one-line engine stats logs (``telemetry.stats_log``); 0: off.
 
     Raises:
-        ValueError: a port outside [0, 65535], a bad metrics port or a negative grace period (the message names
-            the flag).
+        ValueError: a port outside [0, 65535], a bad metrics port, a negative grace period or a CPU list this
+            process may not run on (the message names the flag).
     """
 
     model: str
@@ -46,6 +48,7 @@ class WorkerConfig:
     port: int = 0
     transport: str = "ucx"
     torch_threads: int = 1
+    cpus: str = ""
     metrics_port: int = 0
     engine: EngineConfig = EngineConfig()
     store: StoreClientConfig = StoreClientConfig()
@@ -60,6 +63,8 @@ class WorkerConfig:
         check_metrics_port(self.metrics_port)
         check_port("--port", self.port)
         check_grace(self.shutdown_grace_s)
+        if self.cpus:
+            check_cpus(self.cpus)
 
 
 def add_worker_args(ap: argparse.ArgumentParser, *, port_env: str, port: int) -> None:
@@ -78,7 +83,7 @@ def add_worker_args(ap: argparse.ArgumentParser, *, port_env: str, port: int) ->
 def worker_fields(a: argparse.Namespace) -> dict[str, Any]:
     """The :class:`WorkerConfig` keyword arguments from flags that :func:`add_worker_args` added."""
     return dict(
-        model=a.model, host=a.host, port=a.port, transport=a.transport, torch_threads=a.torch_threads,
+        model=a.model, host=a.host, port=a.port, transport=a.transport, torch_threads=a.torch_threads, cpus=a.cpus,
         metrics_port=a.metrics_port, engine=engine_config(a), store=store_config(a), tls=tls_config(a),
         keepalive=keepalive_config(a), shutdown_grace_s=a.shutdown_grace_s, stats_log_interval_s=a.stats_log_interval_s,
     )

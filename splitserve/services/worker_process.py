@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import grpc
 from grpc_health.v1 import health
 
+from splitserve.cpus import pin_process
 from splitserve.engine.async_engine import AsyncEngine, set_torch_threads
 from splitserve.engine.faults import apply_engine_faults
 from splitserve.model import load_model
@@ -35,6 +36,7 @@ logger = logging.getLogger(__name__)
 async def start_engine(config: WorkerConfig) -> tuple[Any, AsyncEngine]:
     """Apply the process settings, load the model and start the engine thread. Returns (model, engine)."""
     keepalive.configure(config.keepalive)
+    pin_process(config.cpus)
     set_torch_threads(config.torch_threads)
     lm = load_model(config.model, dtype=config.engine.dtype)
     engine = AsyncEngine(lm, config.engine)
