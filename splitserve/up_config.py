@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from splitserve.dtypes import DTYPE_CHOICES, check_dtype_choice
 from splitserve.cli_help import SECRET_DEFAULT, new_parser
 from splitserve.cpus import check_cpus
-from splitserve.env import env_choice, env_float, env_int, env_str
+from splitserve.env import env_bool, env_choice, env_float, env_int, env_str
 from splitserve.paths import default_model_path
 from splitserve.rpc.shutdown import DEFAULT_GRACE_S
 from splitserve.rpc.tls import TlsConfig, add_tls_args, tls_config
@@ -71,6 +71,9 @@ class UpConfig:
     api_key: str | None = field(default=None, repr=False)
     prefill_cpus: str = ""
     decode_cpus: str = ""
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 4096
+    enable_chunked_prefill: bool = False
 
     def __post_init__(self) -> None:
         if self.num_prefill < 1 or self.num_decode < 1:
@@ -88,6 +91,9 @@ class UpConfig:
         if not self.shutdown_grace_s >= 0:
             raise ValueError(f"--shutdown-grace-s must be >= 0, got {self.shutdown_grace_s}")
         check_dtype_choice(self.dtype)
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError(f"--max-num-seqs and --max-num-batched-tokens must be >= 1, got {self.max_num_seqs} and "
+                             f"{self.max_num_batched_tokens}")
         if self.max_model_len < 0:
             raise ValueError(f"--max-model-len must be >= 0 (0: the model's context length), got {self.max_model_len}")
         for flag, cpus in (("--prefill-cpus", self.prefill_cpus), ("--decode-cpus", self.decode_cpus)):
@@ -103,7 +109,9 @@ class UpConfig:
         """Flags every prefill and decode worker gets."""
         return ["--transport", self.transport, "--block-size", str(self.block_size), "--kv-cache-mb",
                 str(self.kv_cache_mb), "--kv-transfer-mode", self.kv_transfer_mode, "--dtype", self.dtype,
-                "--max-model-len", str(self.max_model_len)]
+                "--max-model-len", str(self.max_model_len), "--max-num-seqs", str(self.max_num_seqs),
+                "--max-num-batched-tokens", str(self.max_num_batched_tokens),
+                *(["--enable-chunked-prefill"] if self.enable_chunked_prefill else [])]
 
     def role_args(self) -> dict[str, list[str]]:
         """Flags only the workers of one role get: their CPU pinning (``--cpus``)."""
@@ -173,6 +181,13 @@ def parse(argv: list[str] | None = None) -> UpConfig:
                     help="workers' weights and KV cache dtype (PD_DTYPE; auto: the checkpoint's)")
     ap.add_argument("--max-model-len", type=int, default=env_int("PD_MAX_MODEL_LEN", 0),
                     help="workers' context limit in tokens, prompt + output (PD_MAX_MODEL_LEN; 0: the model's)")
+    ap.add_argument("--max-num-seqs", type=int, default=env_int("PD_MAX_NUM_SEQS", 64),
+                    help="workers' most sequences in one batch (PD_MAX_NUM_SEQS)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=env_int("PD_MAX_NUM_BATCHED_TOKENS", 4096),
+                    help="workers' prompt tokens per prefill batch; with --enable-chunked-prefill, tokens per step "
+                         "(PD_MAX_NUM_BATCHED_TOKENS)")
+    ap.add_argument("--enable-chunked-prefill", action="store_true", default=env_bool("PD_ENABLE_CHUNKED_PREFILL"),
+                    help="workers mix running decodes and prompt chunks in each step (PD_ENABLE_CHUNKED_PREFILL)")
     ap.add_argument("--prefill-cpus", default=env_str("PD_PREFILL_CPUS", ""),
                     help="pin every prefill worker to these CPUs, e.g. 0 (PD_PREFILL_CPUS; empty: not pinned)")
     ap.add_argument("--decode-cpus", default=env_str("PD_DECODE_CPUS", ""),
@@ -206,5 +221,6 @@ def parse(argv: list[str] | None = None) -> UpConfig:
         store_nodes=0 if a.no_store else a.store_nodes, store_mb=a.store_mb,
         store_replicas=a.store_replicas, policy=a.policy, disagg=a.disagg, shutdown_grace_s=a.shutdown_grace_s,
         otlp_endpoint=otlp, tls=tls_config(a), served_model_name=a.served_model_name, api_key=a.api_key,
-        prefill_cpus=a.prefill_cpus, decode_cpus=a.decode_cpus,
+        prefill_cpus=a.prefill_cpus, decode_cpus=a.decode_cpus, max_num_seqs=a.max_num_seqs,
+        max_num_batched_tokens=a.max_num_batched_tokens, enable_chunked_prefill=a.enable_chunked_prefill,
     )

@@ -71,3 +71,4 @@ def test_up_pins_each_role_to_its_cpus_and_leaves_others_alone():
         argv = argvs[name]
         assert argv[argv.index("--cpus") + 1] == cpu
     assert "--cpus" not in argvs["decode-0"] and "--cpus" not in argvs["router"]
+

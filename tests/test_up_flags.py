@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import shlex
 
+import pytest
+
 from splitserve.cli import _up_banner
 from splitserve.launcher import Cluster, up_cluster
-from splitserve.up_config import parse
+from splitserve.up_config import UpConfig, parse
 
 KEY = "flag-key-81b2"
 
@@ -57,3 +59,14 @@ def test_banner_commands_use_the_served_name_and_the_key_variable(monkeypatch):
 
     plain = _up_banner(parse([]), Cluster(), 8123, 50123)
     assert "Authorization" not in plain and "PD_API_KEY" not in plain
+
+
+def test_up_passes_the_batching_limits_to_every_worker():
+    config = parse(["--max-num-seqs", "8", "--max-num-batched-tokens", "256", "--enable-chunked-prefill", "--no-store"])
+    args = config.worker_args()
+    assert args[args.index("--max-num-seqs") + 1] == "8"
+    assert args[args.index("--max-num-batched-tokens") + 1] == "256"
+    assert "--enable-chunked-prefill" in args
+    assert "--enable-chunked-prefill" not in parse(["--no-store"]).worker_args()
+    with pytest.raises(ValueError, match="--max-num-seqs"):
+        UpConfig(model="m", max_num_seqs=0)
