@@ -1,8 +1,14 @@
 import pytest
 import torch
 
-from splitserve.engine.sampler import sample
+from splitserve.engine.sampler import SampleRow
+from splitserve.engine.sampler import sample as sample_rows
 from splitserve.engine.sampling import SamplingParams
+
+
+def sample(logits, params, output_indices):
+    """The token ids for rows with only ``params`` and ``output_index`` set (no history, no matcher)."""
+    return [r.token_id for r in sample_rows(logits, [SampleRow(p, i) for p, i in zip(params, output_indices)])]
 
 
 def test_greedy_is_argmax():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from splitserve.engine.sampler import sample
+from splitserve.engine.sampler import SampleRow, sample
 from splitserve.engine.sequence import Sequence
 from splitserve.model import AttentionMetadata, LoadedModel
 
@@ -72,4 +72,6 @@ class ModelRunner:
                 self.kv_cache,
                 attn,
             )
-        return sample(logits, [s.params for s in seqs], [len(s.output_token_ids) for s in seqs])
+        rows = [SampleRow(s.params, len(s.output_token_ids), s.prompt_token_ids, s.output_token_ids,
+                          eos_token_ids=self.lm.eos_token_ids) for s in seqs]
+        return [r.token_id for r in sample(logits, rows)]
