@@ -9,7 +9,6 @@ import asyncio
 import contextlib
 import itertools
 import logging
-from dataclasses import dataclass
 from typing import AsyncIterator
 
 import torch
@@ -17,9 +16,10 @@ import torch
 from splitserve.engine.admission import check_fits, max_blocks
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.config import EngineConfig
+from splitserve.engine.choices import fork_stream, generate_choices
 from splitserve.engine.core import EngineCore, RequestOutput
 from splitserve.engine.guided import GuidedMatcher
-from splitserve.engine.logprobs import PromptLogprobs, TokenLogprob
+from splitserve.engine.prefill_output import PrefillOutput  # re-exported: callers import it from here
 from splitserve.engine.owned_blocks import OwnedBlocks
 from splitserve.engine.runner import ModelRunner
 from splitserve.engine.sampling import SamplingParams
@@ -31,39 +31,6 @@ from splitserve.transfer.kv_cache import allocate_kv_cache
 from splitserve.transfer.layout import KVLayout
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class PrefillOutput:
-    """What ``AsyncEngine.prefill`` returns: the first token of each of the ``params.n`` choices and, unless every
-    choice finished at prefill, the prompt's KV blocks, owned by the caller.
-
-    Attributes:
-        first_token_ids: choice i's first token (sampled with ``params.for_choice(i)``), ``n`` entries.
-        finish_reasons: per choice, set when that choice ended at its first token (EOS, a stop id, max_tokens 1).
-        cached_tokens: leading prompt tokens whose KV was handed in (``cached``), not computed.
-        blocks: ``ceil(prompt tokens / block_size)`` blocks; None when every choice finished.
-        first_logprobs: with ``params.logprobs``, each first token's TokenLogprob (``n`` entries); else None.
-        prompt_logprobs: with ``params.prompt_logprobs``, one entry per prompt token (the first None); else None.
-    """
-
-    request_id: str
-    first_token_ids: list[int]
-    finish_reasons: list[str | None]
-    cached_tokens: int
-    blocks: OwnedBlocks | None
-    first_logprobs: list[TokenLogprob] | None = None
-    prompt_logprobs: PromptLogprobs | None = None
-
-    @property
-    def first_token_id(self) -> int:
-        """Choice 0's first token (the only one when n is 1)."""
-        return self.first_token_ids[0]
-
-    @property
-    def finish_reason(self) -> str | None:
-        """None while any choice continues (``blocks`` is then set); else choice 0's finish_reason."""
-        return None if any(r is None for r in self.finish_reasons) else self.finish_reasons[0]
 
 
 class AsyncEngine:
@@ -161,9 +128,10 @@ class AsyncEngine:
         A request that fits waits for free blocks instead of failing."""
         check_fits(num_prompt_tokens, params.max_tokens, self.config.block_size, self.max_model_len, self.num_blocks, prefill_only)
 
-    async def _stream(self, seqs: list[Sequence], blocks: OwnedBlocks | None = None, copies: OwnedBlocks | None = None,
+    async def run_sequences(self, seqs: list[Sequence], blocks: OwnedBlocks | None = None, copies: OwnedBlocks | None = None,
                       choices: range | None = None) -> AsyncIterator[RequestOutput]:
-        """Run ``seqs`` (one request: one sequence, or the forked choices of an n > 1 request, which take
+        """(Engine internals; ``splitserve.engine.choices`` uses it.)
+        Run ``seqs`` (one request: one sequence, or the forked choices of an n > 1 request, which take
         ``blocks`` and ``copies`` as ``EngineCore.fork`` says) and yield their outputs until every choice
         (``choices``, default each sequence's index) finished or an output hands over KV blocks."""
         request_id = seqs[0].request_id
@@ -206,6 +174,16 @@ class AsyncEngine:
                     if late.block_ids:
                         self.core.free(late.block_ids)
 
+    def _decode_seq(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, first_token_id: int,
+                    index: int, num_computed_tokens: int) -> Sequence:
+        seq = Sequence(request_id, list(prompt_token_ids), params, SeqMode.DECODE_PREFILLED, index=index)
+        seq.output_token_ids = [first_token_id]
+        seq.num_computed_tokens = num_computed_tokens
+        seq.matcher = self._matcher(params)
+        if seq.matcher is not None and not seq.matcher.accept(first_token_id):
+            raise InvalidRequest(f"first token {first_token_id} of choice {index} violates the structured-output grammar")
+        return seq
+
     def _matcher(self, params: SamplingParams) -> GuidedMatcher | None:
         """A fresh grammar matcher for ``params.guided`` (None without). Raises InvalidRequest (bad spec)."""
         if params.guided is None:
@@ -223,29 +201,10 @@ class AsyncEngine:
         stream ends when every choice has finished. Raises InvalidRequest (bad prompt, too big, bad grammar)."""
         self._validate(prompt_token_ids, params)
         if params.n > 1:
-            return self._generate_choices(request_id, prompt_token_ids, params)
+            return generate_choices(self, request_id, prompt_token_ids, params)
         seq = Sequence(request_id, list(prompt_token_ids), params, SeqMode.GENERATE)
         seq.matcher = self._matcher(params)
-        return self._stream([seq])
-
-    async def _generate_choices(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        """n > 1 here: one prefill, its first tokens as outputs (index i), then the forked choices' decode."""
-        pre = await self.prefill(request_id, prompt_token_ids, params)
-        firsts = [RequestOutput(request_id, [tok], reason, cached_tokens=pre.cached_tokens, index=i,
-                                logprobs=None if pre.first_logprobs is None else [pre.first_logprobs[i]])
-                  for i, (tok, reason) in enumerate(zip(pre.first_token_ids, pre.finish_reasons))]
-        firsts[0].prompt_logprobs = pre.prompt_logprobs
-        if pre.blocks is None:
-            for out in firsts:
-                yield out
-            return
-        async with pre.blocks as blocks:  # freed if the consumer stops before the decode takes them
-            for out in firsts:
-                yield out
-            stream = self.decode_prefilled(request_id, prompt_token_ids, params, pre.first_token_ids, blocks)
-            async with contextlib.aclosing(stream) as outputs:
-                async for out in outputs:
-                    yield out
+        return self.run_sequences([seq])
 
     async def prefill(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -271,7 +230,7 @@ class AsyncEngine:
         seq.num_computed_tokens = seq.cached_tokens = num_cached_tokens
         seq.matcher = self._matcher(params)  # masks every choice's first token
         outs: list[RequestOutput] = []
-        async with contextlib.aclosing(self._stream([seq], cached, choices=range(params.n))) as stream:
+        async with contextlib.aclosing(self.run_sequences([seq], cached, choices=range(params.n))) as stream:
             async for out in stream:
                 outs.append(out)
         if len(outs) != params.n:
@@ -324,35 +283,14 @@ class AsyncEngine:
         computed = len(prompt_token_ids) if num_computed_tokens is None else num_computed_tokens
         self._check_cached(len(prompt_token_ids), blocks.block_ids, computed)
         if params.n == 1:
-            return self._stream([self._decode_seq(request_id, prompt_token_ids, params, firsts[0], 0, computed)], blocks)
+            return self.run_sequences([self._decode_seq(request_id, prompt_token_ids, params, firsts[0], 0, computed)], blocks)
         stop = self.core.scheduler.stop_reason
         children = [self._decode_seq(request_id, prompt_token_ids, params.for_choice(i), tok, i, computed)
                     for i, tok in enumerate(firsts)
                     if stop(params.for_choice(i), tok, 1, len(prompt_token_ids) + 1) is None]
         if not children:
             raise InvalidRequest("every choice finished at its first token: nothing to decode")
-        return self._fork_stream(children, blocks)
-
-    def _decode_seq(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, first_token_id: int,
-                    index: int, num_computed_tokens: int) -> Sequence:
-        seq = Sequence(request_id, list(prompt_token_ids), params, SeqMode.DECODE_PREFILLED, index=index)
-        seq.output_token_ids = [first_token_id]
-        seq.num_computed_tokens = num_computed_tokens
-        seq.matcher = self._matcher(params)
-        if seq.matcher is not None and not seq.matcher.accept(first_token_id):
-            raise InvalidRequest(f"first token {first_token_id} of choice {index} violates the structured-output grammar")
-        return seq
-
-    async def _fork_stream(self, children: list[Sequence], blocks: OwnedBlocks) -> AsyncIterator[RequestOutput]:
-        """Allocate the copy-on-write blocks of choices 1.. (the prompt blocks past the last full computed one,
-        usually just the partial last block), then fork ``children`` over ``blocks`` (``EngineCore.fork``)."""
-        tail = len(blocks.block_ids) - children[0].num_computed_tokens // self.config.block_size
-        need = tail * (len(children) - 1)
-        copies = await self.allocate_blocks(need) if need else OwnedBlocks([], self.core)
-        async with copies:
-            async with contextlib.aclosing(self._stream(children, blocks, copies)) as outputs:
-                async for out in outputs:
-                    yield out
+        return fork_stream(self, children, blocks)
 
     async def allocate_blocks(self, num_blocks: int, *, wait: bool = True) -> OwnedBlocks:
         """Reserve ``num_blocks`` KV blocks (e.g. to receive a transfer into), owned by the caller:
