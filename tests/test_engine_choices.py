@@ -139,3 +139,32 @@ async def test_decode_prefilled_checks_one_first_token_per_choice(engine, lm):
         with pytest.raises(InvalidRequest):
             engine.decode_prefilled("d", prompt, SamplingParams(n=3), [1, 2], blocks)
     await assert_all_free(engine)
+
+
+async def test_forks_preempted_for_lack_of_blocks_recompute_and_free_everything(lm):
+    """4 choices of 40 tokens need ~46 blocks; the pool has 30: children are preempted (dropping their share of the
+    prompt blocks) and recomputed, and still equal the n = 1 output."""
+    eng = AsyncEngine(lm, EngineConfig(block_size=BS, num_blocks=30))
+    await eng.start()
+    try:
+        prompt = prompt_of(lm, 10)
+        ref = (await tokens(eng, "one", prompt, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)))[0]
+        got = await tokens(eng, "four", prompt, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, n=4))
+        assert [got[i] for i in range(4)] == [ref] * 4
+        assert eng.core.num_prefill_tokens > 2 * len(prompt)  # preempted children recomputed their prompt
+        await assert_all_free(eng)
+    finally:
+        await eng.stop()
+
+
+async def test_colocated_backend_events_carry_index_and_logprobs(engine, lm):
+    from splitserve.colocated.backend import LocalBackend
+
+    prompt = prompt_of(lm, 6)
+    params = SamplingParams(max_tokens=4, temperature=1.0, seed=8, ignore_eos=True, n=2, logprobs=1, prompt_logprobs=0)
+    events = [e async for e in LocalBackend(engine).generate("c", prompt, params)]
+    assert {e.index for e in events} == {0, 1}
+    assert all(e.logprobs is not None and len(e.logprobs) == len(e.token_ids) for e in events)
+    assert len(events[0].prompt_logprobs) == len(prompt) and all(e.prompt_logprobs is None for e in events[1:])
+    assert sum(len(e.token_ids) for e in events) == 8
+    await assert_all_free(engine)
