@@ -21,10 +21,11 @@ class LocalBackend:
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, deadline: float | None = None
     ) -> AsyncIterator[TokenEvent]:
-        """Tokens of the local engine. ``deadline`` needs no propagation here: the caller enforces it."""
+        """Tokens of the local engine (with choice index, logprobs and prompt logprobs as the engine gives them).
+        ``deadline`` needs no propagation here: the caller enforces it."""
         stream = self.engine.generate(request_id, prompt_token_ids, params)
         try:
             async for out in stream:
-                yield TokenEvent(out.token_ids, out.finish_reason, out.cached_tokens)
+                yield TokenEvent(out.token_ids, out.finish_reason, out.cached_tokens, out.index, out.logprobs, out.prompt_logprobs)
         finally:
             await stream.aclose()

@@ -9,7 +9,6 @@ import asyncio
 import contextlib
 import itertools
 import logging
-from dataclasses import dataclass
 from typing import AsyncIterator
 
 import torch
@@ -17,7 +16,10 @@ import torch
 from splitserve.engine.admission import check_fits, max_blocks
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.config import EngineConfig
+from splitserve.engine.choices import fork_stream, generate_choices
 from splitserve.engine.core import EngineCore, RequestOutput
+from splitserve.engine.guided import GuidedMatcher
+from splitserve.engine.prefill_output import PrefillOutput  # re-exported: callers import it from here
 from splitserve.engine.owned_blocks import OwnedBlocks
 from splitserve.engine.runner import ModelRunner
 from splitserve.engine.sampling import SamplingParams
@@ -29,18 +31,6 @@ from splitserve.transfer.kv_cache import allocate_kv_cache
 from splitserve.transfer.layout import KVLayout
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class PrefillOutput:
-    """What ``AsyncEngine.prefill`` returns: the first token and, unless the request finished at prefill
-    (``finish_reason`` set), the prompt's KV blocks, owned by the caller."""
-
-    request_id: str
-    first_token_id: int
-    finish_reason: str | None
-    cached_tokens: int  # leading prompt tokens whose KV was handed in (``cached``), not computed
-    blocks: OwnedBlocks | None  # ceil(prompt tokens / block_size) blocks; None when finish_reason is set
 
 
 class AsyncEngine:
@@ -138,72 +128,130 @@ class AsyncEngine:
         A request that fits waits for free blocks instead of failing."""
         check_fits(num_prompt_tokens, params.max_tokens, self.config.block_size, self.max_model_len, self.num_blocks, prefill_only)
 
-    async def _stream(self, seq: Sequence, blocks: OwnedBlocks | None = None) -> AsyncIterator[RequestOutput]:
-        if blocks is not None:  # the engine accepts the request: the blocks are ours from here on
-            seq.block_table = blocks.take()
-        if seq.request_id in self._queues:
-            if seq.block_table:
-                self.core.free(seq.block_table)
-            raise InvalidRequest(f"duplicate request_id {seq.request_id}")
+    async def run_sequences(self, seqs: list[Sequence], blocks: OwnedBlocks | None = None, copies: OwnedBlocks | None = None,
+                      choices: range | None = None) -> AsyncIterator[RequestOutput]:
+        """(Engine internals; ``splitserve.engine.choices`` uses it.)
+        Run ``seqs`` (one request: one sequence, or the forked choices of an n > 1 request, which take
+        ``blocks`` and ``copies`` as ``EngineCore.fork`` says) and yield their outputs until every choice
+        (``choices``, default each sequence's index) finished or an output hands over KV blocks."""
+        request_id = seqs[0].request_id
+        fork = len(seqs) > 1
+        if fork:
+            block_ids, copy_ids = blocks.take(), [] if copies is None else copies.take()
+        elif blocks is not None:  # the engine accepts the request: the blocks are ours from here on
+            seqs[0].block_table = blocks.take()
+        if request_id in self._queues:
+            for ids in ((block_ids, copy_ids) if fork else (seqs[0].block_table,)):
+                if ids:
+                    self.core.free(ids)
+            raise InvalidRequest(f"duplicate request_id {request_id}")
         q: asyncio.Queue = asyncio.Queue()
-        self._queues[seq.request_id] = q
+        self._queues[request_id] = q
+        remaining = set(choices if choices is not None else (s.index for s in seqs))
         finished = False
         try:
-            self.core.add(seq)
+            if fork:
+                self.core.fork(seqs, block_ids, copy_ids)
+            else:
+                self.core.add(seqs[0])
             while True:
                 out: RequestOutput = await q.get()
                 if out.error is not None:
                     finished = True
                     raise out.error
-                finished = out.finish_reason is not None or out.block_ids is not None
+                if out.finish_reason is not None:
+                    remaining.discard(out.index)
+                finished = not remaining or out.block_ids is not None
                 yield out
                 if finished:
                     return
         finally:
-            del self._queues[seq.request_id]
+            del self._queues[request_id]
             if not finished:
-                self.core.abort(seq.request_id)
+                self.core.abort(request_id)
                 while not q.empty():  # outputs that raced the abort may carry KV blocks
                     late = q.get_nowait()
                     if late.block_ids:
                         self.core.free(late.block_ids)
 
+    def _decode_seq(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, first_token_id: int,
+                    index: int, num_computed_tokens: int) -> Sequence:
+        seq = Sequence(request_id, list(prompt_token_ids), params, SeqMode.DECODE_PREFILLED, index=index)
+        seq.output_token_ids = [first_token_id]
+        seq.num_computed_tokens = num_computed_tokens
+        seq.matcher = self._matcher(params)
+        if seq.matcher is not None and not seq.matcher.accept(first_token_id):
+            raise InvalidRequest(f"first token {first_token_id} of choice {index} violates the structured-output grammar")
+        return seq
+
+    def _matcher(self, params: SamplingParams) -> GuidedMatcher | None:
+        """A fresh grammar matcher for ``params.guided`` (None without). Raises InvalidRequest (bad spec)."""
+        if params.guided is None:
+            return None
+        from splitserve.engine.guided import make_matcher  # the grammar library loads on first use
+
+        return make_matcher(params.guided, self.lm.tokenizer, self.lm.config.vocab_size)
+
     # --- public API ----------------------------------------------------------------------
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        """Prefill and decode here; yields one RequestOutput per step. Closing the iterator aborts."""
+        """Prefill and decode here; yields one RequestOutput per step and choice. Closing the iterator aborts.
+
+        n > 1 (``params.n``): one prefill samples every choice's first token (outputs index 0..n-1, in order), then
+        the choices decode as forked sequences sharing the prompt's KV blocks (``decode_prefilled``); the
+        stream ends when every choice has finished. Raises InvalidRequest (bad prompt, too big, bad grammar)."""
         self._validate(prompt_token_ids, params)
-        return self._stream(Sequence(request_id, list(prompt_token_ids), params, SeqMode.GENERATE))
+        if params.n > 1:
+            return generate_choices(self, request_id, prompt_token_ids, params)
+        seq = Sequence(request_id, list(prompt_token_ids), params, SeqMode.GENERATE)
+        seq.matcher = self._matcher(params)
+        return self.run_sequences([seq])
 
     async def prefill(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
         cached: OwnedBlocks | None = None, num_cached_tokens: int = 0,
     ) -> PrefillOutput:
-        """Run prefill; returns the first token and, unless ``finish_reason`` is set, the prompt's KV blocks
-        (owned by the caller). Cancel-safe: a cancelled caller's request is aborted and its blocks freed.
+        """Run prefill; returns the first token of each of the ``params.n`` choices (choice i sampled with
+        ``params.for_choice(i)`` from the last prompt position's logits) and, unless every choice finished, the
+        prompt's KV blocks (owned by the caller). With ``params.prompt_logprobs`` the prompt's logprobs too.
+        Cancel-safe: a cancelled caller's request is aborted and its blocks freed.
 
         ``cached`` (e.g. from ``allocate_blocks``, filled from the KV store) already holds the K/V of the
         first ``num_cached_tokens`` prompt tokens; only the rest is computed. The engine takes the blocks
         once the arguments are valid (then frees them on any later error). ``num_cached_tokens`` must be
         below the prompt length (the last prompt token is always computed: its logits give the first
-        token). Raises InvalidRequest (``cached`` then stays with the caller).
+        token). A request with ``params.prompt_logprobs`` must compute the whole prompt (no ``cached``).
+        Raises InvalidRequest (``cached`` then stays with the caller).
         """
         self._validate(prompt_token_ids, params, prefill_only=True)
+        if params.prompt_logprobs is not None and num_cached_tokens:
+            raise InvalidRequest("prompt_logprobs needs every prompt token computed: pass no cached KV blocks")
         self._check_cached(len(prompt_token_ids) - 1, [] if cached is None else cached.block_ids, num_cached_tokens)
         seq = Sequence(request_id, list(prompt_token_ids), params, SeqMode.PREFILL_ONLY)
         seq.num_computed_tokens = seq.cached_tokens = num_cached_tokens
-        async with contextlib.aclosing(self._stream(seq, cached)) as stream:
+        seq.matcher = self._matcher(params)  # masks every choice's first token
+        outs: list[RequestOutput] = []
+        async with contextlib.aclosing(self.run_sequences([seq], cached, choices=range(params.n))) as stream:
             async for out in stream:
-                blocks = None if out.block_ids is None else OwnedBlocks(out.block_ids, self.core)
-                return PrefillOutput(request_id, out.token_ids[0], out.finish_reason, out.cached_tokens, blocks)
-        raise RuntimeError("prefill produced no output")
+                outs.append(out)
+        if len(outs) != params.n:
+            raise RuntimeError(f"prefill produced {len(outs)} outputs for {params.n} choices")
+        blocks = next((OwnedBlocks(o.block_ids, self.core) for o in outs if o.block_ids is not None), None)
+        logprobs = [o.logprobs[0] for o in outs] if params.logprobs is not None else None
+        return PrefillOutput(request_id, [o.token_ids[0] for o in outs], [o.finish_reason for o in outs],
+                             outs[0].cached_tokens, blocks, logprobs, outs[0].prompt_logprobs)
 
-    def check_decode(self, prompt_token_ids: list[int], params: SamplingParams, first_token_id: int) -> None:
+    def check_decode(self, prompt_token_ids: list[int], params: SamplingParams, first_token_id: int | list[int]) -> None:
         """What ``decode_prefilled`` checks first, for callers that move KV only for an acceptable request:
-        the prompt (non-empty token ids in the vocabulary, shorter than the context), ``first_token_id`` in
-        the vocabulary, and that prompt + ``params.max_tokens`` could fit the pool. Raises InvalidRequest."""
+        the prompt (non-empty token ids in the vocabulary, shorter than the context), the first token(s) in the
+        vocabulary (one per choice when ``params.n`` > 1), and that prompt + ``params.max_tokens`` could fit the
+        pool. Raises InvalidRequest."""
         self._validate(prompt_token_ids, params)
-        if not 0 <= first_token_id < self.lm.config.vocab_size:
-            raise InvalidRequest(f"first_token_id {first_token_id} is outside the vocabulary [0, {self.lm.config.vocab_size})")
+        firsts = [first_token_id] if isinstance(first_token_id, int) else list(first_token_id)
+        if len(firsts) != params.n:
+            raise InvalidRequest(f"{len(firsts)} first token ids for n={params.n} choices")
+        vocab = self.lm.config.vocab_size
+        if any(not 0 <= t < vocab for t in firsts):
+            raise InvalidRequest(f"first_token_id {firsts} is outside the vocabulary [0, {vocab})")
 
     def _check_cached(self, max_tokens: int, block_ids: list[int], num_tokens: int) -> None:
         bs = self.config.block_size
@@ -213,24 +261,36 @@ class AsyncEngine:
             raise InvalidRequest("cached block ids out of range or repeated")
 
     def decode_prefilled(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, first_token_id: int,
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, first_token_ids: int | list[int],
         blocks: OwnedBlocks, num_computed_tokens: int | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Continue a request whose prompt KV is already in ``blocks`` (``ceil(prompt tokens / block_size)``
-        of them); yields the tokens after ``first_token_id``. Arguments are checked at once (InvalidRequest
+        of them); yields the tokens after the first token(s). Arguments are checked at once (InvalidRequest
         leaves the blocks with the caller); the engine takes the blocks when the returned stream is first
         iterated (BlocksReleased if the caller freed them before). Closing the stream aborts the request.
 
         ``num_computed_tokens`` (default: the whole prompt) prompt tokens have K/V in the blocks; the first
-        step then computes the remaining prompt tokens together with ``first_token_id`` (e.g. the part of
-        a prompt that could not be read from the KV store)."""
-        self.check_decode(prompt_token_ids, params, first_token_id)
-        n = len(prompt_token_ids) if num_computed_tokens is None else num_computed_tokens
-        self._check_cached(len(prompt_token_ids), blocks.block_ids, n)
-        seq = Sequence(request_id, list(prompt_token_ids), params, SeqMode.DECODE_PREFILLED)
-        seq.output_token_ids = [first_token_id]
-        seq.num_computed_tokens = n
-        return self._stream(seq, blocks)
+        step then computes the remaining prompt tokens together with the first token (e.g. the part of
+        a prompt that could not be read from the KV store).
+
+        n > 1: ``first_token_ids`` has one token per choice (as ``prefill`` sampled them). Choices whose first
+        token ended them (same stop rules as prefill) are skipped; the others fork: each decodes as its own
+        sequence (``params.for_choice(i)``, own grammar matcher) sharing the prompt's full KV blocks, with a
+        copy of the partial last block; every output carries its choice ``index``. The stream ends when all
+        choices have finished. Raises InvalidRequest also when every choice finished already."""
+        self.check_decode(prompt_token_ids, params, first_token_ids)
+        firsts = [first_token_ids] if isinstance(first_token_ids, int) else list(first_token_ids)
+        computed = len(prompt_token_ids) if num_computed_tokens is None else num_computed_tokens
+        self._check_cached(len(prompt_token_ids), blocks.block_ids, computed)
+        if params.n == 1:
+            return self.run_sequences([self._decode_seq(request_id, prompt_token_ids, params, firsts[0], 0, computed)], blocks)
+        stop = self.core.scheduler.stop_reason
+        children = [self._decode_seq(request_id, prompt_token_ids, params.for_choice(i), tok, i, computed)
+                    for i, tok in enumerate(firsts)
+                    if stop(params.for_choice(i), tok, 1, len(prompt_token_ids) + 1) is None]
+        if not children:
+            raise InvalidRequest("every choice finished at its first token: nothing to decode")
+        return fork_stream(self, children, blocks)
 
     async def allocate_blocks(self, num_blocks: int, *, wait: bool = True) -> OwnedBlocks:
         """Reserve ``num_blocks`` KV blocks (e.g. to receive a transfer into), owned by the caller:

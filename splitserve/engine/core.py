@@ -24,6 +24,7 @@ from splitserve.engine.admission import Admission
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.logprobs import PromptLogprobs, TokenLogprob
 from splitserve.engine.runner import ModelRunner
+from splitserve.engine.sampler import SampleResult
 from splitserve.engine.scheduler import Scheduler
 from splitserve.engine.sequence import Sequence, SeqMode
 from splitserve.errors import PdError, WorkerUnavailable
@@ -110,6 +111,13 @@ class EngineCore:
     def free(self, block_ids: list[int]) -> None:
         self._commands.put(("free", list(block_ids)))
 
+    def fork(self, children: list[Sequence], block_ids: list[int], copies: list[int]) -> None:
+        """Start the choices of an n > 1 request over one prompt's KV: ``children`` (DECODE_PREFILLED, same
+        request_id, ``num_computed_tokens`` set) share ``block_ids``' full computed blocks (one reference each);
+        the first child takes the remaining (partial) blocks, every other child gets a copy of them in its
+        own slice of ``copies`` (copy-on-write at fork). Takes ownership of ``block_ids`` and ``copies``."""
+        self._commands.put(("fork", (children, list(block_ids), list(copies))))
+
     def incref(self, block_ids: list[int]) -> None:
         """Take one more reference on allocated blocks (commands apply in order, so an incref queued
         before a free always takes effect first); drop it with :meth:`free`."""
@@ -174,6 +182,8 @@ class EngineCore:
             self.scheduler.abort(arg)
         elif kind == "free":
             self.block_manager.free(arg)
+        elif kind == "fork":
+            self._fork(*arg)
         elif kind == "incref":
             self.block_manager.incref(arg)
         elif kind == "allocate":
@@ -186,6 +196,26 @@ class EngineCore:
                 fut.set_result(fn())
             except Exception as exc:
                 fut.set_exception(exc)
+
+    def _fork(self, children: list[Sequence], block_ids: list[int], copies: list[int]) -> None:
+        shared = children[0].num_computed_tokens // self.runner.block_size
+        tail = block_ids[shared:]
+        children[0].block_table = block_ids
+        for j, child in enumerate(children[1:]):
+            own = copies[j * len(tail) : (j + 1) * len(tail)]
+            self.runner.copy_blocks(tail, own)
+            self.block_manager.incref(block_ids[:shared])
+            child.block_table = block_ids[:shared] + own
+        try:
+            for child in children:  # DECODE_PREFILLED: only the fit check, the same for every child
+                self.admission.enqueue(child)
+        except PdError as exc:
+            for child in children:
+                self.scheduler.abort(child.request_id)
+                if child.block_table:
+                    self.block_manager.free(child.block_table)
+                    child.block_table = []
+            self._emit([RequestOutput(children[0].request_id, [], "abort", error=exc)])
 
     def _step(self) -> bool:
         """One batch; False when nothing could be scheduled (everything waits for blocks held elsewhere)."""
@@ -203,21 +233,62 @@ class EngineCore:
         self.num_steps += 1
         self.num_prefill_tokens += num_prefill
         self.num_decode_tokens += num_decode
+        rejected = self._advance_matchers(seqs, token_ids)
+        if rejected:
+            keep = [i for i, s in enumerate(seqs) if s.request_id not in rejected]
+            seqs, token_ids = [seqs[i] for i in keep], [token_ids[i] for i in keep]
         sampled = [(s, t) for s, t in zip(seqs, token_ids) if not s.is_partial_prefill]  # chunks sample nothing
         finished = {id(s) for s in self.scheduler.postprocess(seqs, token_ids)}
         outputs = []
         for seq, token_id in sampled:
+            results, seq.step_results = seq.step_results, None
+            if seq.mode is SeqMode.PREFILL_ONLY:
+                outputs += self._prefill_outputs(seq, results or [SampleResult(token_id)])
+                continue
             done = id(seq) in finished
-            out = RequestOutput(seq.request_id, [token_id], seq.finish_reason if done else None, cached_tokens=seq.cached_tokens)
-            if done and seq.mode is SeqMode.PREFILL_ONLY:
-                if seq.finish_reason is None:
-                    out.block_ids = seq.block_table
-                else:
-                    self.block_manager.free(seq.block_table)
-                seq.block_table = []
+            out = RequestOutput(seq.request_id, [token_id], seq.finish_reason if done else None,
+                                cached_tokens=seq.cached_tokens, index=seq.index)
+            if results and results[0].logprob is not None:
+                out.logprobs = [results[0].logprob]
+            if len(seq.output_token_ids) == 1 and seq.mode is SeqMode.GENERATE:
+                out.prompt_logprobs = seq.prompt_logprobs
             outputs.append(out)
         self._emit(outputs)
         return True
+
+    def _advance_matchers(self, seqs: list[Sequence], token_ids: list[int]) -> set[str]:
+        """Advance each sampled sequence's grammar matcher over its token; returns the request_ids whose matcher
+        refused it (the mask should make that impossible: an internal error), after aborting them. A
+        PREFILL_ONLY sequence's matcher only masks (its choices decode elsewhere, each with its own matcher)."""
+        bad: dict[str, Sequence] = {}
+        for seq, token_id in zip(seqs, token_ids):
+            if seq.matcher is None or seq.is_partial_prefill or seq.mode is SeqMode.PREFILL_ONLY:
+                continue
+            if not seq.matcher.accept(token_id):
+                logger.error("request %s choice %d: the grammar matcher refused token %d that its mask allowed",
+                             seq.request_id, seq.index, token_id)
+                bad.setdefault(seq.request_id, seq)
+        if bad:
+            self._fail(list(bad.values()), RuntimeError("structured output: the grammar refused a sampled token"))
+        return set(bad)
+
+    def _prefill_outputs(self, seq: Sequence, results: list[SampleResult]) -> list[RequestOutput]:
+        """Outputs of a finished PREFILL_ONLY sequence: one per choice (index i, its first token, finish_reason,
+        logprob; prompt_logprobs on index 0). Unless every choice ended at its first token, the last output
+        carries the prompt's KV blocks (then owned by the caller); otherwise the blocks are freed here."""
+        p, num_tokens = seq.params, len(seq.prompt_token_ids) + 1
+        reasons = [seq.finish_reason] + [self.scheduler.stop_reason(p, r.token_id, 1, num_tokens) for r in results[1:]]
+        outputs = [RequestOutput(seq.request_id, [r.token_id], reason, cached_tokens=seq.cached_tokens, index=i,
+                                 logprobs=None if r.logprob is None else [r.logprob])
+                   for i, (r, reason) in enumerate(zip(results, reasons))]
+        outputs[0].prompt_logprobs = seq.prompt_logprobs
+        if any(reason is None for reason in reasons):
+            outputs[-1].block_ids = seq.block_table
+            seq.finish_reason = None
+        else:
+            self.block_manager.free(seq.block_table)
+        seq.block_table = []
+        return outputs
 
     def _expire(self) -> None:
         expired = self.admission.expire()
@@ -234,7 +305,7 @@ class EngineCore:
 
     def _fail(self, seqs: list[Sequence], exc: Exception) -> None:
         for seq in seqs:
-            if self.scheduler.abort(seq.request_id) is None and seq.block_table:
+            if self.scheduler.abort(seq.request_id) is None and seq.block_table:  # (aborts every choice of it)
                 self.block_manager.free(seq.block_table)  # was in flight: in neither queue
                 seq.block_table = []
         self._emit([RequestOutput(s.request_id, [], "abort", error=exc) for s in seqs])

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from splitserve.engine.sampler import SampleRow, sample
-from splitserve.engine.sequence import Sequence
+from splitserve.engine.sampler import SampleRow, prompt_logprobs, sample
+from splitserve.engine.sequence import Sequence, SeqMode
 from splitserve.model import AttentionMetadata, LoadedModel
 
 
@@ -39,7 +39,11 @@ class ModelRunner:
 
     def execute(self, seqs: list[Sequence]) -> list[int]:
         """One forward over ``seqs`` (each feeds ``num_step_tokens`` tokens from ``num_computed_tokens``);
-        returns one sampled token per sequence (meaningless for a partial prefill chunk)."""
+        returns one sampled token per sequence (choice 0's; 0 for a partial prefill chunk, which samples nothing).
+
+        Also sets ``seq.step_results`` (SampleResults with logprobs: ``params.n`` of them for an n > 1
+        PREFILL_ONLY sequence, else one; None for a partial chunk) and, for a sequence asking for prompt
+        logprobs, fills ``seq.prompt_logprobs`` for the prompt positions this step computes."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -65,13 +69,80 @@ class ModelRunner:
         threads = self.threads_for(len(input_ids), len(seqs))
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
+        want_prompt = [_wants_prompt_logprobs(s) for s in seqs]
+        logits_indices, last_rows = None, None
+        if any(want_prompt):  # every position of those sequences, the last one of the others
+            logits_indices, last_rows, t = [], [], 0
+            for want, q in zip(want_prompt, query_lens):
+                logits_indices += range(t, t + q) if want else [t + q - 1]
+                last_rows.append(len(logits_indices) - 1)
+                t += q
+            logits_indices = torch.tensor(logits_indices, dtype=torch.long)
         with torch.inference_mode():
             logits = self.lm.model(
                 torch.tensor(input_ids, dtype=torch.long),
                 torch.tensor(positions, dtype=torch.long),
                 self.kv_cache,
                 attn,
+                logits_indices,
             )
-        rows = [SampleRow(s.params, len(s.output_token_ids), s.prompt_token_ids, s.output_token_ids,
-                          eos_token_ids=self.lm.eos_token_ids) for s in seqs]
-        return [r.token_id for r in sample(logits, rows)]
+            if last_rows is not None:
+                for seq, want, last, q in zip(seqs, want_prompt, last_rows, query_lens):
+                    if want:
+                        _record_prompt_logprobs(seq, logits[last - q + 1 : last + 1])
+                logits = logits[torch.tensor(last_rows, dtype=torch.long)]
+            return self._sample(seqs, logits)
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
+        """Sample every sequence that completes its prompt or decodes (``logits``: ``[num_seqs, vocab]``)."""
+        rows: list[SampleRow] = []
+        row_seq: list[int] = []  # logits row of each sample row
+        for i, seq in enumerate(seqs):
+            seq.step_results = None
+            if seq.is_partial_prefill:
+                continue
+            out = seq.output_token_ids
+            if seq.params.n > 1 and seq.mode is SeqMode.PREFILL_ONLY:  # first token of every choice, same logits
+                choices = [seq.params.for_choice(c) for c in range(seq.params.n)]
+            else:
+                choices = [seq.params]
+            for params in choices:
+                rows.append(SampleRow(params, len(out), seq.prompt_token_ids, out, seq.matcher, self.lm.eos_token_ids))
+                row_seq.append(i)
+        if not rows:
+            return [0] * len(seqs)
+        if row_seq != list(range(len(seqs))):
+            logits = logits[torch.tensor(row_seq, dtype=torch.long)]
+        results = sample(logits, rows)
+        for i, res in zip(row_seq, results):
+            seq = seqs[i]
+            if seq.step_results is None:
+                seq.step_results = []
+            seq.step_results.append(res)
+        return [0 if s.step_results is None else s.step_results[0].token_id for s in seqs]
+
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        """Copy whole KV blocks (every layer's K and V) ``src[i]`` -> ``dst[i]``: copy-on-write of a forked
+        sequence's partial last block."""
+        if src:
+            with torch.inference_mode():
+                self.kv_cache[torch.tensor(dst, dtype=torch.long)] = self.kv_cache[torch.tensor(src, dtype=torch.long)]
+
+
+def _wants_prompt_logprobs(seq: Sequence) -> bool:
+    """Whether this step computes prompt positions whose logprobs ``seq`` still needs (not after its first
+    output token: a preempted sequence recomputing its prompt already returned them)."""
+    return (seq.params.prompt_logprobs is not None and not seq.output_token_ids
+            and seq.num_computed_tokens < len(seq.prompt_token_ids))
+
+
+def _record_prompt_logprobs(seq: Sequence, logits: torch.Tensor) -> None:
+    """``logits``: ``[num_step_tokens, vocab]`` of prompt positions ``[start, end)``; row ``j`` predicts prompt
+    token ``start + j + 1``. Writes entries by position, so a recomputed chunk (preemption) rewrites the same."""
+    prompt = seq.prompt_token_ids
+    if seq.prompt_logprobs is None:
+        seq.prompt_logprobs = [None] * len(prompt)
+    start = seq.num_computed_tokens
+    end = start + seq.num_step_tokens
+    entries = prompt_logprobs(logits, prompt[start : end + 1], seq.params.prompt_logprobs)[1:]
+    seq.prompt_logprobs[start + 1 : start + 1 + len(entries)] = entries

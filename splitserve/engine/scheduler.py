@@ -27,6 +27,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from splitserve.engine.block_manager import BlockManager
+from splitserve.engine.sampling import SamplingParams
 from splitserve.engine.sequence import Sequence, SeqMode, SeqStatus
 
 
@@ -66,14 +67,13 @@ class Scheduler:
             self.waiting.append(seq)
 
     def abort(self, request_id: str) -> Sequence | None:
-        """Remove a request and free its KV blocks; returns it, or None if unknown."""
-        for queue in (self.waiting, self.running):
-            for seq in queue:
-                if seq.request_id == request_id:
-                    queue.remove(seq)
-                    self._release(seq, "abort")
-                    return seq
-        return None
+        """Remove a request -- every sequence of it: the choices of an n > 1 request share the request_id -- and
+        free their KV blocks; returns the first one removed, or None if unknown."""
+        removed = [seq for queue in (self.waiting, self.running) for seq in queue if seq.request_id == request_id]
+        for seq in removed:
+            (self.waiting if seq in self.waiting else self.running).remove(seq)
+            self._release(seq, "abort")
+        return removed[0] if removed else None
 
     def _release(self, seq: Sequence, finish_reason: str) -> None:
         seq.status = SeqStatus.FINISHED
@@ -199,7 +199,7 @@ class Scheduler:
             seq.num_scheduled_tokens = 0
             seq.num_computed_tokens = seq.num_tokens
             seq.output_token_ids.append(token_id)
-            reason = self._stop_reason(seq, token_id)
+            reason = self.stop_reason(seq.params, token_id, len(seq.output_token_ids), seq.num_tokens)
             if seq.mode is SeqMode.PREFILL_ONLY:
                 seq.status = SeqStatus.FINISHED
                 seq.finish_reason = reason
@@ -214,10 +214,15 @@ class Scheduler:
                 finished.append(seq)
         return finished
 
-    def _stop_reason(self, seq: Sequence, token_id: int) -> str | None:
-        p = seq.params
-        if token_id in p.stop_token_ids or (not p.ignore_eos and token_id in self.eos_token_ids):
+    def stop_reason(self, params: SamplingParams, token_id: int, num_output_tokens: int, num_tokens: int) -> str | None:
+        """Why a sequence ends after sampling ``token_id`` (its ``num_output_tokens``-th output token, ``num_tokens``
+        with the prompt), or None. A structured-output request stops at EOS even with ``ignore_eos`` (its grammar
+        lets EOS through only once the text is complete). Depends on these arguments only, so prefill and decode
+        workers agree on which choices end at their first token."""
+        p = params
+        eos = token_id in self.eos_token_ids and (not p.ignore_eos or p.guided is not None)
+        if token_id in p.stop_token_ids or eos:
             return "stop"
-        if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.config.max_model_len:
+        if num_output_tokens >= p.max_tokens or num_tokens >= self.config.max_model_len:
             return "length"
         return None

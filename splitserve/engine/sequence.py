@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from splitserve.engine.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from splitserve.engine.guided import GuidedMatcher
+    from splitserve.engine.logprobs import PromptLogprobs
 
 
 class SeqMode(enum.Enum):
@@ -28,6 +33,14 @@ class Sequence:
     the next forward feeds ``token_ids[num_computed_tokens:]`` (the whole prompt at prefill,
     the last sampled token at decode), or only its first ``num_scheduled_tokens`` when the
     scheduler set that (a chunk of a chunked prefill).
+
+    n > 1: a PREFILL_ONLY sequence samples the first token of all ``params.n`` choices from one prompt; the
+    choices then decode as separate sequences (one per ``index``, same ``request_id``, ``params.for_choice``)
+    that share the prompt's full KV blocks. ``matcher`` is the structured-output grammar state of this
+    sequence (None without ``params.guided``). ``prompt_logprobs`` (one entry per prompt token) is filled by
+    the runner while the prompt is computed, when ``params.prompt_logprobs`` is set. ``step_results`` holds
+    what the runner sampled in the step just run (``splitserve.engine.sampler.SampleResult``, one per
+    choice), consumed by the engine core.
     """
 
     request_id: str
@@ -43,6 +56,10 @@ class Sequence:
     num_scheduled_tokens: int = 0  # tokens fed by the current step (0 = all new tokens)
     queued_at: float | None = None  # when it joined the waiting queue (engine clock); None once admitted
     waited_for_blocks: bool = False  # found too few free KV blocks at the head of the queue at least once
+    index: int = 0  # the choice of an n > 1 request this sequence decodes
+    matcher: GuidedMatcher | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    step_results: list[Any] | None = None
 
     @property
     def token_ids(self) -> list[int]:

@@ -124,7 +124,8 @@ class CausalLM(nn.Module):
 
     @torch.no_grad()
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, attn: AttentionMetadata
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, attn: AttentionMetadata,
+        logits_indices: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run the packed new tokens of one or more sequences.
 
@@ -135,8 +136,11 @@ class CausalLM(nn.Module):
             kv_cache: ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`` in the model
                 dtype; updated in place.
             attn: where to write and what to attend to (see AttentionMetadata).
+            logits_indices: int64 ``[R]`` indices into the T new tokens whose logits to return (e.g. every
+                prompt position of a request asking for prompt logprobs); None: each sequence's last token.
         Returns:
-            float32 ``[num_seqs, vocab_size]`` logits of each sequence's last new token.
+            float32 ``[num_seqs, vocab_size]`` logits of each sequence's last new token, or ``[R, vocab_size]``
+            with ``logits_indices``.
         Raises:
             ValueError: bad shapes, dtype/device mismatch, or inconsistent metadata.
         """
@@ -158,7 +162,9 @@ class CausalLM(nn.Module):
         ref = self.reference_attention
         for i, layer in enumerate(self.model.layers):
             h = layer.forward(h, cos, sin, kv_cache, i, None if ref else plan, attn)
-        if plan.last_token_index is not None:
+        if logits_indices is not None:
+            h = h[logits_indices.to(dev)]
+        elif plan.last_token_index is not None:
             h = h[plan.last_token_index]
         last = F.rms_norm(h, (c.hidden_size,), self.model.norm.weight, self.model.norm.eps)
         return F.linear(last, self.lm_head.weight).float()
