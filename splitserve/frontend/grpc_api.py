@@ -1,17 +1,17 @@
-"""RouterService: the gRPC front door, beside the HTTP one (:mod:`.http_app`) and sharing its pipeline.
+"""RouterService: the gRPC front door, beside the HTTP one (:mod:`.http_app`) and sharing its request checks.
 
 Generate maps the ``pd.v1.GenerateRequest`` to a prompt and a :class:`.prepare.SamplingRequest` and prepares it
 with :class:`.prepare.RequestPreparer`, the same checks and tokenization as the HTTP API (a failed check is
-INVALID_ARGUMENT). It runs the request with the caller's deadline (each hop gets the time left; an expired deadline
-is DEADLINE_EXCEEDED and aborts the work on every service; a call without a deadline gets none) and streams text
-deltas per choice (:mod:`.grpc_choices`: ``index``, logprobs, the prompt's logprobs on the first message; usage on
-the last message, once every choice has finished). The sampling fields beyond the HTTP API's basic ones (penalties,
-min_p, min_tokens, logit_bias, bad words, allowed token ids, logprobs, prompt_logprobs, n, guided) are taken from
-the request as they are, their token ids checked against the vocabulary. A cancelled call closes the pipeline, which aborts the request on the backend (the prefill and decode
-workers, or the colocated engine). No field of the request names a worker or a KV transfer endpoint; unknown
-fields are ignored by protobuf and never consulted. Strings that are not valid UTF-8 never reach a handler (the
-strict decoder answers INVALID_ARGUMENT). Preparation runs in worker threads (:class:`.offload.Offload`), and a
-text prompt that cannot fit the context is refused before it is tokenized.
+INVALID_ARGUMENT). The sampling fields beyond those (penalties, min_p, min_tokens, logit_bias, bad words, allowed
+token ids, logprobs, prompt_logprobs, n, guided) are taken from the request as they are, their token ids checked
+against the vocabulary. It runs the request with the caller's deadline (each hop gets the time left; an expired
+deadline is DEADLINE_EXCEEDED and aborts the work on every service; a call without a deadline gets none) and streams
+text deltas per choice (:mod:`.grpc_choices`: ``index``, logprobs, the prompt's logprobs on the first message; usage
+on the last message, once every choice has finished). A cancelled call closes the pipeline, which aborts the request
+on the backend (the prefill and decode workers, or the colocated engine). No field of the request names a worker or
+a KV transfer endpoint; unknown fields are ignored by protobuf and never consulted. Strings that are not valid UTF-8
+never reach a handler (the strict decoder answers INVALID_ARGUMENT). Preparation runs in worker threads
+(:class:`.offload.Offload`), and a text prompt that cannot fit the context is refused before it is tokenized.
 """
 
 from __future__ import annotations
