@@ -51,12 +51,9 @@ def prefill_choices(out: PrefillOutput) -> PrefillChoices:
     return PrefillChoices(ids, None if lps is None else tuple(lps), getattr(out, "prompt_logprobs", None), tuple(reasons))
 
 
-def _takes_choices(method) -> bool:
-    return "first_token_ids" in inspect.signature(method).parameters
-
-
-def _first_arg(engine_method, first_token_ids: list[int]) -> int | list[int]:
-    if _takes_choices(engine_method):
+def _first_arg(engine: AsyncEngine, first_token_ids: list[int]) -> int | list[int]:
+    """What ``check_decode`` / ``decode_prefilled`` take: the list (an engine with n), else the one token."""
+    if "first_token_ids" in inspect.signature(engine.decode_prefilled).parameters:
         return list(first_token_ids)
     if len(first_token_ids) != 1:
         raise InvalidRequest(f"this decode worker's engine continues one choice; got {len(first_token_ids)} first tokens")
@@ -65,12 +62,12 @@ def _first_arg(engine_method, first_token_ids: list[int]) -> int | list[int]:
 
 def check_decode(engine: AsyncEngine, prompt_token_ids: list[int], params: SamplingParams, first_token_ids: list[int]) -> None:
     """``engine.check_decode`` for n first tokens. Raises InvalidRequest."""
-    engine.check_decode(prompt_token_ids, params, _first_arg(engine.check_decode, first_token_ids))
+    engine.check_decode(prompt_token_ids, params, _first_arg(engine, first_token_ids))
 
 
 def decode_prefilled(engine: AsyncEngine, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                      first_token_ids: list[int], blocks: OwnedBlocks,
                      num_computed_tokens: int | None = None) -> AsyncIterator[RequestOutput]:
     """``engine.decode_prefilled`` continuing every choice from its first token (see ``AsyncEngine``)."""
-    first = _first_arg(engine.decode_prefilled, first_token_ids)
+    first = _first_arg(engine, first_token_ids)
     return engine.decode_prefilled(request_id, prompt_token_ids, params, first, blocks, num_computed_tokens)
