@@ -92,6 +92,9 @@ def _bad(handle, prompt, lm):
         "nothing to decode": (dict(params=SamplingParams(max_tokens=1, temperature=0.0)), InvalidRequest),
         "bad first token": (dict(first_token_id=lm.config.vocab_size), InvalidRequest),
         "no request id": (dict(request_id=""), InvalidRequest),
+        "first tokens disagree": (dict(first_token_ids=(7,), first_token_id=8), InvalidRequest),
+        "fewer first tokens than choices": (dict(first_token_ids=(7, 8), params=SamplingParams(max_tokens=8, n=3)),
+                                            InvalidRequest),
     }
 
 

@@ -5,6 +5,7 @@ KV store for the prefix-reuse and store-transfer paths. The KV it hands over dec
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
@@ -113,6 +114,19 @@ async def test_failed_store_reads_are_recomputed(started, prompt):
     pair.store.fail_reads = True
     res, _, tokens = await pair.prefill_then_decode("r8", prompt)
     assert tokens == ref and res.cached_tokens == 0
+
+
+async def test_a_request_for_prompt_logprobs_reads_no_prefix_from_the_store(started, prompt):
+    pair = await started(store_mode="direct")
+    ref = await reference(pair.d_engine, prompt)
+    await pair.prefill_then_decode("r9", prompt)
+    await until(lambda: pair.prefill.store.writes_in_flight == 0, "the background write finished")
+    read = pair.store.data.bytes_read
+    res, _, tokens = await pair.prefill_then_decode("r10", prompt, dataclasses.replace(GREEDY, prompt_logprobs=1))
+    assert tokens == ref and res.cached_tokens == 0 and pair.store.data.bytes_read == read  # every position computed
+    assert pair.prefill.store.cached_requests == 0
+    res, _, tokens = await pair.prefill_then_decode("r11", prompt)  # the prefix was there to reuse
+    assert tokens == ref and res.cached_tokens > 0 and pair.prefill.store.cached_requests == 1
 
 
 async def test_store_transfer_mode_hands_the_kv_over_through_the_store(started, prompt):

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pd.v1 import common_pb2 as pd_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12pd/v1/router.proto\x12\x05pd.v1\x1a\x12pd/v1/common.proto\"\x90\x01\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12+\n\x10prompt_token_ids\x18\x02 \x01(\x0b\x32\x0f.pd.v1.TokenIdsH\x00\x12\'\n\x08sampling\x18\x03 \x01(\x0b\x32\x15.pd.v1.SamplingParams\x12\x0c\n\x04stop\x18\x04 \x03(\tB\x07\n\x05input\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\x90\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12*\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x13.pd.v1.FinishReason\x12\x1b\n\x05usage\x18\x05 \x01(\x0b\x32\x0c.pd.v1.Usage2\x8b\x01\n\rRouterService\x12=\n\x08Generate\x12\x16.pd.v1.GenerateRequest\x1a\x17.pd.v1.GenerateResponse0\x01\x12;\n\x08GetStats\x12\x16.pd.v1.GetStatsRequest\x1a\x17.pd.v1.GetStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12pd/v1/router.proto\x12\x05pd.v1\x1a\x12pd/v1/common.proto\"\x90\x01\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12+\n\x10prompt_token_ids\x18\x02 \x01(\x0b\x32\x0f.pd.v1.TokenIdsH\x00\x12\'\n\x08sampling\x18\x03 \x01(\x0b\x32\x15.pd.v1.SamplingParams\x12\x0c\n\x04stop\x18\x04 \x03(\tB\x07\n\x05input\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xf6\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12*\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x13.pd.v1.FinishReason\x12\x1b\n\x05usage\x18\x05 \x01(\x0b\x32\x0c.pd.v1.Usage\x12\r\n\x05index\x18\x06 \x01(\r\x12%\n\x08logprobs\x18\x07 \x03(\x0b\x32\x13.pd.v1.TokenLogprob\x12.\n\x0fprompt_logprobs\x18\x08 \x01(\x0b\x32\x15.pd.v1.PromptLogprobs2\x8b\x01\n\rRouterService\x12=\n\x08Generate\x12\x16.pd.v1.GenerateRequest\x1a\x17.pd.v1.GenerateResponse0\x01\x12;\n\x08GetStats\x12\x16.pd.v1.GetStatsRequest\x1a\x17.pd.v1.GetStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,7 +39,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_USAGE']._serialized_start=221
   _globals['_USAGE']._serialized_end=301
   _globals['_GENERATERESPONSE']._serialized_start=304
-  _globals['_GENERATERESPONSE']._serialized_end=448
-  _globals['_ROUTERSERVICE']._serialized_start=451
-  _globals['_ROUTERSERVICE']._serialized_end=590
+  _globals['_GENERATERESPONSE']._serialized_end=550
+  _globals['_ROUTERSERVICE']._serialized_start=553
+  _globals['_ROUTERSERVICE']._serialized_end=692
 # @@protoc_insertion_point(module_scope)

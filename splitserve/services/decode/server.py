@@ -1,7 +1,8 @@
 """DecodeService: the gRPC adapter of the decode worker (``worker.py`` holds the request logic).
 
-It converts ``DecodeRequest`` to a :class:`DecodeJob`, streams the worker's outputs as ``DecodeResponse``
-(``kv_recomputed`` on the first one when the worker recomputed the prompt's KV instead of pulling it),
+It converts ``DecodeRequest`` to a :class:`DecodeJob`, streams the worker's outputs as ``DecodeResponse`` (choice
+``index``, logprobs and, after a local prefill, the prompt's logprobs; ``kv_recomputed`` on the first one when the
+worker recomputed the prompt's KV instead of pulling it),
 counts gRPC bytes and maps errors to status codes (``abort_with``).
 """
 
@@ -16,7 +17,10 @@ from pd.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.errors import PdError
-from splitserve.rpc.convert import FINISH_TO_PROTO, layout_to_proto, sampling_from_proto
+from splitserve.engine.core import RequestOutput
+from splitserve.rpc.convert import (
+    FINISH_TO_PROTO, layout_to_proto, logprobs_to_proto, prompt_logprobs_to_proto, sampling_from_proto,
+)
 from splitserve.rpc.kv_handle import handle_from_proto
 from splitserve.rpc.stats import GrpcByteCounter
 from splitserve.rpc.status import abort_with
@@ -25,6 +29,16 @@ from splitserve.services.decode.worker import DecodeJob, DecodeWorker
 from splitserve.transfer.base import KVReceiver
 
 logger = logging.getLogger(__name__)
+
+
+def response_of(out: RequestOutput) -> decode_pb2.DecodeResponse:
+    """One engine output as a DecodeResponse (``kv_recomputed`` left for the caller)."""
+    msg = decode_pb2.DecodeResponse(token_ids=out.token_ids, finish_reason=FINISH_TO_PROTO[out.finish_reason],
+                                    cached_tokens=out.cached_tokens, index=out.index,
+                                    logprobs=logprobs_to_proto(out.logprobs))
+    if out.prompt_logprobs is not None:
+        msg.prompt_logprobs.CopyFrom(prompt_logprobs_to_proto(out.prompt_logprobs))
+    return msg
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
@@ -45,13 +59,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 request.request_id, list(request.prompt_token_ids), sampling_from_proto(request.sampling),
                 request.first_token_id if request.HasField("first_token_id") else None,
                 handle_from_proto(request.kv_handle) if request.HasField("kv_handle") else None,
-                context.time_remaining(),
+                context.time_remaining(), tuple(request.first_token_ids),
             )
             recomputed_sent = False
             async with contextlib.aclosing(self.worker.decode(job)) as run:
                 async for out in run:
-                    msg = decode_pb2.DecodeResponse(token_ids=out.token_ids, finish_reason=FINISH_TO_PROTO[out.finish_reason],
-                                                    cached_tokens=out.cached_tokens)
+                    msg = response_of(out)
                     if run.kv_recomputed and not recomputed_sent:
                         msg.kv_recomputed = recomputed_sent = True
                     yield self.grpc_bytes.sent(msg)

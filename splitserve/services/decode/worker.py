@@ -1,7 +1,7 @@
 """Decode worker logic, without I/O of its own (the gRPC adapter is ``server.py``).
 
 Lifecycle of one request (:meth:`DecodeWorker.decode`):
-1. Check the request: request_id, and with a KV handle its first token, transport, KV layout (a mismatch is
+1. Check the request: request_id, and with a KV handle the first token of every choice, transport, KV layout (a mismatch is
    KVLayoutMismatch naming both), block count and what the engine will check (prompt, first token, a
    request that could never fit the pool): a refused request moves no KV.
 2. Reserve local KV blocks (waits, bounded, while the pool is busy).
@@ -12,8 +12,11 @@ Lifecycle of one request (:meth:`DecodeWorker.decode`):
    free the blocks, recompute the prompt's KV with a local prefill and continue from the first token
    prefill produced (``DecodeRun.kv_recomputed``: the caller must release the prefill worker's KV); with
    ``"error"`` the error (KVTransferError / TransferNotFound) reaches the caller.
-5. Join the running batch (continuous batching) and stream the tokens after the first. Finish, cancel,
-   deadline or error frees the blocks. Without a KV handle the request is prefilled here (``generate``).
+5. Join the running batch (continuous batching) and stream the tokens after the first: with n > 1 choices the
+   engine forks n sequences over the one prompt KV, each continuing from its own first token; outputs carry the
+   choice ``index`` (and logprobs when asked). Finish, cancel, deadline or error frees the blocks. Without a KV
+   handle the request is prefilled here (``generate``; its stream starts with the first tokens, and the prompt's
+   logprobs when asked).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from splitserve.engine.owned_blocks import OwnedBlocks
 from splitserve.engine.sampling import SamplingParams
 from splitserve.errors import InvalidRequest, KVTransferError, TransferNotFound
 from splitserve.services.decode.kv_store import DecodeStore
+from splitserve.services.engine_choices import check_decode, decode_prefilled
 from splitserve.telemetry.transfer import observe_receive
 from splitserve.telemetry.workers import observe_decode
 from splitserve.transfer.base import KVReceiver
@@ -46,9 +50,17 @@ class DecodeJob:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    first_token_id: int | None = None  # the token prefill produced; required with ``handle``
+    first_token_id: int | None = None  # the token prefill produced (choice 0); with ``handle``, this or ``first_token_ids``
     handle: KVHandle | None = None  # where the prompt's KV is; None: prefill here
     time_remaining: float | None = None  # seconds left of the caller's deadline (None: none)
+    first_token_ids: tuple[int, ...] = ()  # every choice's first token (``params.n`` of them); (): (first_token_id,)
+
+    @property
+    def first_tokens(self) -> list[int]:
+        """The first token of every choice (choice i at index i); [] when none was given."""
+        if self.first_token_ids:
+            return list(self.first_token_ids)
+        return [] if self.first_token_id is None else [self.first_token_id]
 
 
 class DecodeRun:
@@ -110,7 +122,7 @@ class DecodeWorker:
                     async for out in observed:  # closing it aborts the request in the engine at once
                         yield out
                 return
-            self.engine.check_decode(job.prompt_token_ids, job.params, job.first_token_id)  # refuse before taking blocks
+            check_decode(self.engine, job.prompt_token_ids, job.params, job.first_tokens)  # refuse before taking blocks
             async with await self.engine.allocate_blocks(len(job.handle.block_ids)) as blocks:
                 try:
                     computed = await self._fill(job, blocks)
@@ -123,8 +135,8 @@ class DecodeWorker:
                     run.kv_recomputed = True
                     blocks, computed = await self._recompute(job), None  # (leaving the outer block frees nothing now)
                 async with blocks:  # the engine takes them when the stream starts
-                    stream = self.engine.decode_prefilled(
-                        job.request_id, job.prompt_token_ids, job.params, job.first_token_id, blocks, computed
+                    stream = decode_prefilled(
+                        self.engine, job.request_id, job.prompt_token_ids, job.params, job.first_tokens, blocks, computed
                     )
                     async with contextlib.aclosing(observe_decode(stream, job.request_id, local_prefill=run.kv_recomputed)) as observed:
                         async for out in observed:
@@ -139,8 +151,13 @@ class DecodeWorker:
         h = job.handle
         if h is None:
             return
-        if job.first_token_id is None:
+        first = job.first_tokens
+        if not first:
             raise InvalidRequest("first_token_id is required with a kv_handle")
+        if job.first_token_id is not None and job.first_token_ids and job.first_token_ids[0] != job.first_token_id:
+            raise InvalidRequest("first_token_ids[0] differs from first_token_id")
+        if len(first) != job.params.n:
+            raise InvalidRequest(f"{len(first)} first tokens for n={job.params.n} choices")
         if not h.transfer_id or not h.endpoint or not h.block_ids:
             raise InvalidRequest("kv_handle needs transfer_id, endpoint and block_ids")
         self.engine.layout.check_compatible(h.layout)

@@ -53,8 +53,9 @@ class PrefillStore:
                       time_remaining: float | None = None) -> PrefillOutput:
         """Steps 1-4: prefill reusing the longest cached prefix. Never fails because of the store: reads
         that fail or take longer than ``READ_SHARE`` of ``time_remaining`` (seconds left of the call's
-        deadline) are recomputed. Raises what ``AsyncEngine.prefill`` raises."""
-        cached = await self._load_prefix(prompt, time_remaining)
+        deadline) are recomputed. A request with ``prompt_logprobs`` reads nothing: every prompt position's logits
+        are computed. Raises what ``AsyncEngine.prefill`` raises."""
+        cached = None if params.prompt_logprobs is not None else await self._load_prefix(prompt, time_remaining)
         if cached is None:
             return await self.engine.prefill(request_id, prompt, params)
         async with cached:

@@ -1,8 +1,8 @@
 """PrefillService: the gRPC adapter of the prefill worker (``worker.py`` holds the request logic).
 
-It converts ``PrefillRequest`` to plain values, answers with the worker's first token and KV handle,
-counts gRPC bytes and maps errors to status codes (``abort_with``). A cancelled call (router gone,
-deadline) aborts the prefill in the engine.
+It converts ``PrefillRequest`` to plain values, answers with the worker's first tokens (one per choice, with their
+logprobs and the prompt's when asked) and KV handle, counts gRPC bytes and maps errors to status codes
+(``abort_with``). A cancelled call (router gone, deadline) aborts the prefill in the engine.
 """
 
 from __future__ import annotations
@@ -12,7 +12,9 @@ from pd.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.errors import PdError
-from splitserve.rpc.convert import FINISH_TO_PROTO, layout_to_proto, sampling_from_proto
+from splitserve.rpc.convert import (
+    FINISH_TO_PROTO, layout_to_proto, logprobs_to_proto, prompt_logprobs_to_proto, sampling_from_proto,
+)
 from splitserve.rpc.kv_handle import handle_to_proto
 from splitserve.rpc.stats import GrpcByteCounter
 from splitserve.rpc.status import abort_with
@@ -53,7 +55,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         response = prefill_pb2.PrefillResponse(
             request_id=request.request_id, first_token_id=out.first_token_id,
             finish_reason=FINISH_TO_PROTO[out.finish_reason], cached_tokens=out.cached_tokens,
+            first_token_ids=out.first_token_ids, first_logprobs=logprobs_to_proto(out.first_logprobs),
+            finish_reasons=[FINISH_TO_PROTO[f] for f in out.finish_reasons],
         )
+        if out.prompt_logprobs is not None:
+            response.prompt_logprobs.CopyFrom(prompt_logprobs_to_proto(out.prompt_logprobs))
         if out.handle is not None:
             response.kv_handle.CopyFrom(handle_to_proto(out.handle))
         return self.grpc_bytes.sent(response)

@@ -4,12 +4,14 @@ Lifecycle of one request (:meth:`PrefillWorker.prefill`):
 1. Check the request (request_id, a non-empty prompt).
 2. With a KV store: look up the prompt's longest cached prefix and read it into fresh KV blocks
    (``PrefillStore.prefill``); then the engine prefill (batched with concurrent prompts) computes the rest
-   and samples the first token.
+   and samples the first token of each of the request's n choices (with logprobs, and the prompt's logprobs, when
+   asked; a request with ``prompt_logprobs`` reads nothing from the store: every prompt position is computed).
 3. Unless the request finished at prefill: publish the prompt's new full blocks to the store (a background
    write with its own share of the blocks) and, in store transfer mode when PutStart succeeded, free the
    blocks (the decode worker reads the store); otherwise hold them under a fresh transfer_id (``KVLeases``)
    until the decode worker pulls them, releases them, or the lease (``lease_s``) ends.
-4. Answer with the first token and a :class:`KVHandle` naming the blocks and the data-plane endpoint.
+4. Answer with the first tokens and a :class:`KVHandle` naming the blocks and the data-plane endpoint (one
+   transfer for all n choices: they share the prompt's KV).
 """
 
 from __future__ import annotations
@@ -19,10 +21,12 @@ import uuid
 from dataclasses import dataclass
 
 from splitserve.engine.async_engine import AsyncEngine
+from splitserve.engine.logprobs import PromptLogprobs, TokenLogprob
 from splitserve.engine.owned_blocks import OwnedBlocks
 from splitserve.engine.sampling import SamplingParams
 from splitserve.errors import DeadlineExceeded, InvalidRequest
 from splitserve.kvstore.kv_blocks import tail_key
+from splitserve.services.engine_choices import prefill_choices
 from splitserve.services.prefill.kv_leases import KVLeases
 from splitserve.services.prefill.kv_store import PrefillStore
 from splitserve.telemetry.workers import observe_prefill
@@ -36,10 +40,20 @@ LEASE_DEADLINE_GRACE_S = 1.0
 
 @dataclass(frozen=True, slots=True)
 class PrefillResult:
-    first_token_id: int
-    finish_reason: str | None  # set when the request finished at prefill: then ``handle`` is None
+    """One prefill's answer. Per-choice fields have n entries, choice i at index i."""
+
+    first_token_ids: tuple[int, ...]
+    finish_reason: str | None  # set when the request finished at prefill (every choice did): then ``handle`` is None
     cached_tokens: int  # prompt tokens whose KV came from the store
     handle: KVHandle | None
+    first_logprobs: tuple[TokenLogprob, ...] | None = None  # per choice, when ``params.logprobs`` is set
+    prompt_logprobs: PromptLogprobs | None = None  # when ``params.prompt_logprobs`` is set (first entry None)
+    finish_reasons: tuple[str | None, ...] = ()  # per choice: set when that choice ended with its first token
+
+    @property
+    def first_token_id(self) -> int:
+        """Choice 0's first token."""
+        return self.first_token_ids[0]
 
 
 class PrefillWorker:
@@ -93,7 +107,9 @@ class PrefillWorker:
         finally:
             self.in_flight -= 1
         self.num_requests += 1
-        return PrefillResult(out.first_token_id, out.finish_reason, out.cached_tokens, handle)
+        c = prefill_choices(out)
+        return PrefillResult(c.first_token_ids, out.finish_reason, out.cached_tokens, handle, c.first_logprobs,
+                             c.prompt_logprobs, c.finish_reasons)
 
     async def _hand_over(self, request_id: str, prompt: list[int], cached_tokens: int, blocks: OwnedBlocks,
                          deadline: float | None) -> KVHandle:

@@ -10,6 +10,11 @@ Per request (:meth:`RoutedBackend.generate`):
    prefilling locally), retrying on another decode worker until the stream starts, under a stall guard; KV no
    decode worker pulled is released on exit (:mod:`.kv_release`).
 
+Events: a remote prefill gives one TokenEvent per choice first (``index`` i, choice i's first token and its logprob,
+the prompt's logprobs on the very first event), then the decode stream's events (``index``, logprobs); with n > 1
+the choices interleave and each ends with its own finish_reason. Every SamplingParams field travels to both workers
+(``sampling_to_proto``); client-only fields (stop strings) stay with the front door.
+
 Hung workers: gRPC keepalive fails the calls to a stopped or unreachable worker with UNAVAILABLE
 (``splitserve.rpc.keepalive``); a decode stream that sends nothing for ``decode_stall_timeout_s`` fails the same way
 (:mod:`.stall`). Either takes the worker out of rotation, before or after the first token.
@@ -120,9 +125,9 @@ class RoutedBackend:
             sampling = sampling_to_proto(params)
             decode = self.pick(DECODE, prompt, set())
             remote = await prefill_leg(self, request_id, prompt, sampling, decode, deadline)
-            only = remote.final_event() if remote is not None else None
-            if only is not None:  # prefill alone finished the request: no decode leg, no KV left
-                yield only
+            if remote is not None and remote.finished:  # prefill alone finished the request: no decode leg, no KV left
+                for ev in remote.first_events():
+                    yield ev
                 return
             leg = DecodeLeg(self, request_id, prompt, sampling, decode, remote, deadline)
             async with contextlib.aclosing(leg.events()) as events:

@@ -1,7 +1,8 @@
 """The decode leg of a routed request: stream the tokens from a decode worker.
 
-1. The DecodeRequest carries the prefill's KV handle and first token (remote prefill; the first token is sent to
-   the client at once), or neither (local prefill: the decode worker prefills the prompt itself).
+1. The DecodeRequest carries the prefill's KV handle and the first token of every choice (remote prefill; those
+   tokens, one event per choice, are sent to the client at once), or neither (local prefill: the decode worker
+   prefills the prompt itself, and its stream starts with the first tokens and the prompt's logprobs).
 2. A decode worker that fails before its stream starts (UNAVAILABLE, deadline, overload, internal) is left for
    another one (at most ``decode_attempts`` workers in all); the KV handle stays valid meanwhile (the prefill
    worker holds the KV on a lease). An unreachable worker also leaves the rotation.
@@ -28,7 +29,7 @@ from pd.v1 import common_pb2, decode_pb2
 from splitserve.deadline import hop_timeout
 from splitserve.errors import PdError, StreamStalled
 from splitserve.frontend.backend import TokenEvent
-from splitserve.rpc.convert import FINISH_FROM_PROTO
+from splitserve.rpc.convert import FINISH_FROM_PROTO, logprobs_from_proto, prompt_logprobs_from_proto
 from splitserve.rpc.status import error_from_rpc
 from splitserve.services.router.prefill_leg import RemotePrefill
 from splitserve.services.router.registry import DECODE, WorkerState
@@ -70,15 +71,19 @@ class DecodeLeg:
         self.deadline = deadline
         self.tried: set[str] = set()
         self.started = False
+        self.logprobs = sampling.HasField("logprobs")
+        self.open_choices = set(range(sampling.n or 1))  # choices without a finish_reason yet
         if remote is None:
             self.request = decode_pb2.DecodeRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling)
         else:
+            first = remote.first_token_ids
             self.request = decode_pb2.DecodeRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
-                                                    kv_handle=remote.response.kv_handle,
-                                                    first_token_id=remote.response.first_token_id)
+                                                    kv_handle=remote.response.kv_handle, first_token_id=first[0],
+                                                    first_token_ids=first)
 
     async def events(self) -> AsyncIterator[TokenEvent]:
-        """The request's tokens: the prefill's first token (remote prefill), then the decode stream's.
+        """The request's tokens: the prefill's first token of each choice (remote prefill), then the decode stream's.
+        Events of a choice that already finished (at prefill) are dropped.
 
         Raises:
             PdError: the typed error of a failure that was not (or could no longer be) moved to another worker.
@@ -87,7 +92,10 @@ class DecodeLeg:
         DISAGG_DECISIONS.labels("local_prefill" if remote is None else "remote_prefill").inc()
         try:
             if remote is not None:  # inside the try: a client gone after the first token still releases the KV
-                yield TokenEvent([remote.response.first_token_id], None, remote.response.cached_tokens)
+                for ev in remote.first_events():
+                    if ev.finish_reason is not None:
+                        self.open_choices.discard(ev.index)
+                    yield ev
             while True:
                 w = self.decode
                 w.inflight_requests += 1
@@ -97,7 +105,9 @@ class DecodeLeg:
                     async for msg in stall_guard(call, self.router.decode_stall_timeout_s, f"decode worker {w.address}"):
                         if not self.started:
                             self._first_message(msg, time.monotonic() - t0)
-                        yield await self._event(call, msg)
+                        ev = await self._event(call, msg)
+                        if ev is not None:
+                            yield ev
                     return
                 except (grpc.aio.AioRpcError, StreamStalled) as exc:
                     self.decode = self._next_worker(exc)  # raises when the request cannot move
@@ -123,12 +133,18 @@ class DecodeLeg:
             router.kv_release.soon(remote.worker, remote.response.kv_handle.transfer_id)
         router.disagg.observe_transfer(len(self.prompt), seconds)
 
-    @staticmethod
-    async def _event(call: grpc.aio.UnaryStreamCall, msg: decode_pb2.DecodeResponse) -> TokenEvent:
+    async def _event(self, call: grpc.aio.UnaryStreamCall, msg: decode_pb2.DecodeResponse) -> TokenEvent | None:
+        """``msg`` as a TokenEvent; None for a choice that has already finished."""
+        if msg.index not in self.open_choices:
+            return None
         finish = FINISH_FROM_PROTO[msg.finish_reason]
-        if finish is not None:  # let the stream end by itself: a cancel here would race its OK status
-            await asyncio.wait([asyncio.ensure_future(call.code())], timeout=_FINISH_WAIT_S)
-        return TokenEvent(list(msg.token_ids), finish, msg.cached_tokens)
+        if finish is not None:
+            self.open_choices.discard(msg.index)
+            if not self.open_choices:  # the last choice: let the stream end by itself (a cancel would race its OK)
+                await asyncio.wait([asyncio.ensure_future(call.code())], timeout=_FINISH_WAIT_S)
+        prompt = prompt_logprobs_from_proto(msg.prompt_logprobs) if msg.HasField("prompt_logprobs") else None
+        return TokenEvent(list(msg.token_ids), finish, msg.cached_tokens, index=msg.index,
+                          logprobs=logprobs_from_proto(msg.logprobs, self.logprobs), prompt_logprobs=prompt)
 
     def _next_worker(self, exc: grpc.aio.AioRpcError | StreamStalled) -> WorkerState:
         """The decode worker to try after ``exc`` on the current one (an unreachable or stalled worker leaves the

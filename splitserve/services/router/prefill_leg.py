@@ -11,7 +11,8 @@
    (invalid request, KV layout mismatch) end the request with their typed error.
 
 The result is a :class:`RemotePrefill` (the worker holds the prompt's KV for the decode leg under a lease, named
-by ``response.kv_handle``), or None when the decode worker prefills the prompt itself.
+by ``response.kv_handle``, and has sampled the first token of each of the request's n choices), or None when the
+decode worker prefills the prompt itself.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from pd.v1 import common_pb2, prefill_pb2
 from splitserve.deadline import hop_timeout
 from splitserve.errors import WorkerUnavailable
 from splitserve.frontend.backend import TokenEvent
-from splitserve.rpc.convert import FINISH_FROM_PROTO
+from splitserve.rpc.convert import FINISH_FROM_PROTO, logprob_from_proto, prompt_logprobs_from_proto
 from splitserve.rpc.status import error_from_rpc
 from splitserve.services.router.registry import PREFILL, WorkerState
 from splitserve.services.router.retry import DOWN, retryable
@@ -41,19 +42,46 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class RemotePrefill:
-    """A prompt prefilled on ``worker``: ``response`` holds the first token and, unless prefill alone finished the
-    request, the ``kv_handle`` the decode worker pulls the KV blocks with."""
+    """A prompt prefilled on ``worker``: ``response`` holds the first token of every choice and, unless prefill alone
+    finished the request, the ``kv_handle`` the decode worker pulls the KV blocks with."""
 
     worker: WorkerState
     response: prefill_pb2.PrefillResponse
 
-    def final_event(self) -> TokenEvent | None:
-        """The request's one and only event when prefill alone finished it (the first token was EOS, a stop token
-        or the last of ``max_tokens``; no KV handle), else None."""
-        finish = FINISH_FROM_PROTO[self.response.finish_reason]
-        if finish is None and self.response.HasField("kv_handle"):
-            return None
-        return TokenEvent([self.response.first_token_id], finish or "stop", self.response.cached_tokens)
+    @property
+    def first_token_ids(self) -> list[int]:
+        """Choice i's first token at index i (a worker that predates n sends only ``first_token_id``)."""
+        return list(self.response.first_token_ids) or [self.response.first_token_id]
+
+    @property
+    def finished(self) -> bool:
+        """Prefill alone finished the request (every choice's first token was EOS, a stop token or the last of
+        ``max_tokens``): no KV handle, no decode leg."""
+        r = self.response
+        return FINISH_FROM_PROTO[r.finish_reason] is not None or not r.HasField("kv_handle")
+
+    def finish_reasons(self) -> list[str | None]:
+        """Per choice: the finish reason of a choice that ended with its first token, else None. When the request
+        finished at prefill every choice has one (a missing one reads as the request's, or "stop")."""
+        r = self.response
+        n = len(self.first_token_ids)
+        reasons = [FINISH_FROM_PROTO[f] for f in r.finish_reasons] if len(r.finish_reasons) == n else [None] * n
+        if self.finished:
+            overall = FINISH_FROM_PROTO[r.finish_reason] or "stop"
+            reasons = [f or overall for f in reasons]
+        return reasons
+
+    def first_events(self) -> list[TokenEvent]:
+        """One event per choice, in choice order: its first token (``index`` i), that token's logprob when asked,
+        the choice's finish reason when it ended there; the prompt's logprobs (when asked) on the first event."""
+        r = self.response
+        lps = [logprob_from_proto(m) for m in r.first_logprobs]
+        prompt = prompt_logprobs_from_proto(r.prompt_logprobs) if r.HasField("prompt_logprobs") else None
+        events = []
+        for i, (tok, finish) in enumerate(zip(self.first_token_ids, self.finish_reasons())):
+            events.append(TokenEvent([tok], finish, r.cached_tokens, index=i, logprobs=[lps[i]] if i < len(lps) else None,
+                                     prompt_logprobs=prompt if i == 0 else None))
+        return events
 
 
 async def prefill_leg(router: RoutedBackend, request_id: str, prompt: list[int], sampling: common_pb2.SamplingParams,
