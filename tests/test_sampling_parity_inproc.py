@@ -9,21 +9,15 @@ skipped on an engine without it.
 
 from __future__ import annotations
 
-import dataclasses
 from collections import defaultdict
 
 import pytest
 
 from splitserve.client import RouterClient
-from splitserve.engine.async_engine import PrefillOutput
 from splitserve.engine.sampling import SamplingParams
 from splitserve.services.router.disaggregation import DisaggregationPolicy
 from tests.inproc_cluster import InprocCluster
 
-pytestmark = pytest.mark.skipif(
-    "first_token_ids" not in {f.name for f in dataclasses.fields(PrefillOutput)},
-    reason="needs the engine's n-choice API (PrefillOutput.first_token_ids; issue 14 engine branch)",
-)
 
 PROMPT = "Once upon a time there was a little girl named Lily. She liked to play in the park with her"
 

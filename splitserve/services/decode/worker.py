@@ -32,7 +32,6 @@ from splitserve.engine.owned_blocks import OwnedBlocks
 from splitserve.engine.sampling import SamplingParams
 from splitserve.errors import InvalidRequest, KVTransferError, TransferNotFound
 from splitserve.services.decode.kv_store import DecodeStore
-from splitserve.services.engine_choices import check_decode, decode_prefilled
 from splitserve.telemetry.transfer import observe_receive
 from splitserve.telemetry.workers import observe_decode
 from splitserve.transfer.base import KVReceiver
@@ -122,7 +121,7 @@ class DecodeWorker:
                     async for out in observed:  # closing it aborts the request in the engine at once
                         yield out
                 return
-            check_decode(self.engine, job.prompt_token_ids, job.params, job.first_tokens)  # refuse before taking blocks
+            self.engine.check_decode(job.prompt_token_ids, job.params, list(job.first_tokens))  # refuse before taking blocks
             async with await self.engine.allocate_blocks(len(job.handle.block_ids)) as blocks:
                 try:
                     computed = await self._fill(job, blocks)
@@ -135,8 +134,8 @@ class DecodeWorker:
                     run.kv_recomputed = True
                     blocks, computed = await self._recompute(job), None  # (leaving the outer block frees nothing now)
                 async with blocks:  # the engine takes them when the stream starts
-                    stream = decode_prefilled(
-                        self.engine, job.request_id, job.prompt_token_ids, job.params, job.first_tokens, blocks, computed
+                    stream = self.engine.decode_prefilled(
+                        job.request_id, job.prompt_token_ids, job.params, list(job.first_tokens), blocks, computed
                     )
                     async with contextlib.aclosing(observe_decode(stream, job.request_id, local_prefill=run.kv_recomputed)) as observed:
                         async for out in observed:

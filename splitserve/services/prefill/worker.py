@@ -26,7 +26,6 @@ from splitserve.engine.owned_blocks import OwnedBlocks
 from splitserve.engine.sampling import SamplingParams
 from splitserve.errors import DeadlineExceeded, InvalidRequest
 from splitserve.kvstore.kv_blocks import tail_key
-from splitserve.services.engine_choices import prefill_choices
 from splitserve.services.prefill.kv_leases import KVLeases
 from splitserve.services.prefill.kv_store import PrefillStore
 from splitserve.telemetry.workers import observe_prefill
@@ -107,9 +106,9 @@ class PrefillWorker:
         finally:
             self.in_flight -= 1
         self.num_requests += 1
-        c = prefill_choices(out)
-        return PrefillResult(c.first_token_ids, out.finish_reason, out.cached_tokens, handle, c.first_logprobs,
-                             c.prompt_logprobs, c.finish_reasons)
+        return PrefillResult(tuple(out.first_token_ids), out.finish_reason, out.cached_tokens, handle,
+                             None if out.first_logprobs is None else tuple(out.first_logprobs), out.prompt_logprobs,
+                             tuple(out.finish_reasons))
 
     async def _hand_over(self, request_id: str, prompt: list[int], cached_tokens: int, blocks: OwnedBlocks,
                          deadline: float | None) -> KVHandle:
