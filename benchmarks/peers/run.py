@@ -66,11 +66,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return a
 
 
+class Busy(RuntimeError):
+    """The machine stayed busy and ``--allow-busy`` was not given; the message says so."""
+
+
 def wait_for_quiet(max_load: float, wait_s: float, allow_busy: bool) -> tuple[float, bool]:
     """Wait until the 1-minute load average is <= ``max_load``; returns (load, busy).
 
     Raises:
-        SystemExit: still busy after ``wait_s`` and not ``allow_busy``.
+        Busy: still busy after ``wait_s`` and not ``allow_busy``.
     """
     deadline = time.monotonic() + wait_s
     load = os.getloadavg()[0]
@@ -83,7 +87,7 @@ def wait_for_quiet(max_load: float, wait_s: float, allow_busy: bool) -> tuple[fl
     banner = (f"!!! 1-minute load average {load:.2f} > {max_load}: something else is running on this machine. "
               "Numbers measured now are not comparable (see `top`). !!!")
     if not allow_busy:
-        raise SystemExit(banner + "\nRefusing to measure; stop the other work, or pass --allow-busy to measure anyway.")
+        raise Busy(banner + "\nRefusing to measure; stop the other work, or pass --allow-busy to measure anyway.")
     print("\n" + banner + "\n(--allow-busy: measuring anyway; the results are marked busy)\n", file=sys.stderr, flush=True)
     return load, True
 
@@ -177,7 +181,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\n== {name}: skipped: {engine}", flush=True)
             report["skipped"][name] = engine
             continue
-        report["engines"][name] = run_engine(engine, specs, warm_specs, lambda ids: tokenizer.decode(ids), log_dir, a)
+        try:
+            report["engines"][name] = run_engine(engine, specs, warm_specs, lambda ids: tokenizer.decode(ids), log_dir, a)
+        except Busy as exc:  # nothing of this engine started; keep what the others measured
+            print(str(exc), file=sys.stderr, flush=True)
+            report["refused"] = {"engine": name, "why": str(exc).splitlines()[0]}
+            break
         ran.append(name)
     greedy = {n: r["greedy"].strip() for n, r in report["engines"].items() if r.get("greedy") is not None}
     report["greedy_agree"] = len(set(greedy.values())) <= 1
@@ -194,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"JSON: {out}\nserver logs: {log_dir}")
     failed = [n for n, r in report["engines"].items() if r.get("error") or r.get("killed_after_grace")
               or any(run["summary"]["errors"] for run in r["runs"].values())]
-    return 1 if failed else 0
+    return 1 if failed or "refused" in report else 0
 
 
 if __name__ == "__main__":
