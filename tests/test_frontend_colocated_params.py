@@ -4,6 +4,8 @@ LocalBackend) probe the engine first and skip, saying so, until it has them."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
@@ -89,3 +91,38 @@ async def test_greedy_logprobs_rank_the_chosen_token_first(served, lm) -> None:
     assert len(lp["tokens"]) == r.json()["usage"]["completion_tokens"]
     for token_lp, top in zip(lp["token_logprobs"], lp["top_logprobs"]):
         assert token_lp <= 0 and token_lp == pytest.approx(max(top.values()))  # greedy: the most likely token
+
+
+async def test_n_greedy_choices_are_equal_and_stream_with_their_index(served) -> None:
+    c, engine = served
+    probe = [o.index async for o in engine.generate("probe-n", [1, 80], SamplingParams(max_tokens=2, n=2))]
+    if 1 not in probe:
+        pytest.skip("needs the engine branch (issue 14): this engine ignores SamplingParams.n")
+    req = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 10, "temperature": 0, "n": 4}
+    full = (await c.post("/v1/completions", json=req)).json()
+    texts = [ch["text"] for ch in full["choices"]]
+    assert [ch["index"] for ch in full["choices"]] == [0, 1, 2, 3] and len(set(texts)) == 1 and texts[0]
+    single = await complete(c, prompt="Once upon a time", max_tokens=10, temperature=0)
+    assert texts[0] == single["choices"][0]["text"]
+    assert full["usage"]["completion_tokens"] == 4 * single["usage"]["completion_tokens"]
+    r = await c.post("/v1/completions", json={**req, "stream": True})
+    chunks = [line[6:] for line in r.text.split("\n\n") if line.startswith("data: {")]
+    streamed = {i: "" for i in range(4)}
+    for chunk in map(json.loads, chunks):
+        streamed[chunk["choices"][0]["index"]] += chunk["choices"][0]["text"]
+    assert list(streamed.values()) == texts
+
+
+async def test_echo_max_tokens_0_reports_the_engines_prompt_logprobs(served, lm) -> None:
+    c, engine = served
+    prompt = lm.tokenizer.encode("Once upon a time there was")
+    params = SamplingParams(max_tokens=1, prompt_logprobs=1)
+    outs = [o async for o in engine.generate("probe-plp", prompt, params)]
+    if outs[0].prompt_logprobs is None:
+        pytest.skip("needs the engine branch (issue 14): this engine returns no prompt logprobs")
+    reference = [None if e is None else e.logprob for e in outs[0].prompt_logprobs]
+    r = await complete(c, prompt=prompt, max_tokens=0, echo=True, logprobs=1)
+    lp = r["choices"][0]["logprobs"]
+    assert lp["token_logprobs"][0] is None and len(lp["token_logprobs"]) == len(prompt)
+    assert lp["token_logprobs"][1:] == pytest.approx(reference[1:], abs=1e-5)
+    assert r["usage"]["completion_tokens"] == 0 and r["choices"][0]["finish_reason"] == "length"
