@@ -24,7 +24,8 @@ S = common_pb2.SamplingParams
 
 # (name, /v1/completions body, GenerateRequest): the same request in both wire formats
 BAD = [
-    ("empty-prompt", {"prompt": "", "max_tokens": 4}, router_pb2.GenerateRequest(prompt="", sampling=S(max_tokens=4))),
+    ("empty-prompt", {"prompt": [], "max_tokens": 4},
+     router_pb2.GenerateRequest(prompt_token_ids=router_pb2.TokenIds(ids=[]), sampling=S(max_tokens=4))),
     ("token-outside-vocab", {"prompt": [1, 99999], "max_tokens": 4},
      router_pb2.GenerateRequest(prompt_token_ids=router_pb2.TokenIds(ids=[1, 99999]), sampling=S(max_tokens=4))),
     ("stop-token-outside-vocab", {"prompt": "Once", "max_tokens": 4, "stop_token_ids": [99999]},

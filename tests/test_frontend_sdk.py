@@ -97,11 +97,11 @@ def test_errors_are_raised_as_sdk_exceptions(sdk: openai.OpenAI, backend: Script
         sdk.completions.create(model="gpt-4", prompt="Hi")
     assert nf.value.code == "model_not_found" and nf.value.param == "model"
     with pytest.raises(openai.BadRequestError) as br:
-        sdk.completions.create(model=MODEL, prompt="Hi", n=2)
-    assert br.value.param == "n" and "n=1" in br.value.message
+        sdk.completions.create(model=MODEL, prompt="Hi", n=0)
+    assert br.value.param == "n" and "greater than or equal to 1" in br.value.message
     with pytest.raises(openai.BadRequestError) as br:
-        sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], logprobs=True)
-    assert br.value.param == "logprobs"
+        sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], top_logprobs=2)
+    assert br.value.param == "top_logprobs"
     backend.error_before_first = pd.CapacityExhausted("no free KV blocks")
     try:
         with pytest.raises(openai.InternalServerError) as ise:

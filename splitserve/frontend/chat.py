@@ -97,15 +97,19 @@ def render_chat(
         raise APIError(f"Could not apply the chat template: {e}", param="messages") from None
 
 
-def encode_chat(tokenizer: Any, messages: Sequence[dict[str, Any]], limit: PromptLimit | None = None) -> list[int]:
+def encode_chat(tokenizer: Any, messages: Sequence[dict[str, Any]], limit: PromptLimit | None = None, *,
+                add_generation_prompt: bool = True, add_special_tokens: bool | None = None) -> list[int]:
     """Render with the tokenizer's template (or the fallback) and encode without a double BOS.
 
     CPU-heavy for long conversations: call it off the event loop. With ``limit``, a rendered prompt
     that cannot fit the context is refused before tokenizing (400 context_length_exceeded).
+    ``add_special_tokens`` None: BOS is added unless the rendered text starts with it (what generation
+    uses); True / False: as told (``/tokenize``).
     """
-    text = render_chat(messages, tokenizer.chat_template, tokenizer.bos_token, tokenizer.eos_token)
+    text = render_chat(messages, tokenizer.chat_template, tokenizer.bos_token, tokenizer.eos_token,
+                       add_generation_prompt=add_generation_prompt)
     if limit is not None:
         limit.check(text, "messages")
     bos = tokenizer.bos_token
-    add_special = not (bos and text.startswith(bos))
+    add_special = not (bos and text.startswith(bos)) if add_special_tokens is None else add_special_tokens
     return list(tokenizer.encode(text, add_special_tokens=add_special))

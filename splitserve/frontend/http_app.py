@@ -1,7 +1,11 @@
 """The OpenAI-compatible HTTP API (Starlette), independent of where tokens come from.
 
-Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models`` (with ``max_model_len``),
+``POST /tokenize``, ``POST /detokenize``, ``GET /version`` (vLLM's shapes, :mod:`.tokenize_api`),
 ``GET /health`` (200 when ``backend.ready()``, else 503).
+
+``n`` > 1 choices are streamed interleaved, each chunk naming its ``index``; the stream (or the
+non-streamed response) ends when every choice has finished.
 
 Streaming uses SSE: ``data: {json}\\n\\n`` events ending with ``data: [DONE]``; with
 ``stream_options.include_usage`` a last chunk carries usage and empty choices (with vLLM's
@@ -43,12 +47,14 @@ from splitserve.deadline import deadline_after
 from splitserve.frontend.auth import ApiKeyMiddleware
 from splitserve.frontend.backend import GenerationBackend, ModelInfo
 from splitserve.frontend.errors import APIError, error_response, to_api_error
+from splitserve.frontend.logprob_format import TokenTexts
 from splitserve.frontend.offload import Offload
 from splitserve.frontend.pipeline import TextDelta, generate_text
 from splitserve.frontend.prepare import ChatPrompt, PreparedRequest, RequestPreparer
 from splitserve.frontend.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest, ModelCard
-from splitserve.frontend.responses import ChatFormatter, CompletionFormatter, Outcome, ResponseFormatter
+from splitserve.frontend.responses import ChatFormatter, CompletionFormatter, Outcome, ResponseFormatter, ResponseSpec
 from splitserve.frontend.sse import DONE, SSEResponse, cancel_on_disconnect, sse_event
+from splitserve.frontend.tokenize_api import TokenizeAPI
 from splitserve.frontend import validation as v
 from splitserve.telemetry.requests import observe_request
 
@@ -87,10 +93,14 @@ def build_app(
     if request_timeout_s is not None and request_timeout_s <= 0:
         raise ValueError(f"request_timeout_s must be > 0, got {request_timeout_s}")
     api = _OpenAIServer(model_info, backend, request_timeout_s, max_body_bytes, offload or Offload())
+    tokens = TokenizeAPI(model_info, api.preparer, api.offload, max_body_bytes)
     routes: list[BaseRoute] = [
         Route("/v1/completions", api.completions, methods=["POST"]),
         Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
         Route("/v1/models", api.models, methods=["GET"]),
+        Route("/tokenize", tokens.tokenize, methods=["POST"]),
+        Route("/detokenize", tokens.detokenize, methods=["POST"]),
+        Route("/version", tokens.version, methods=["GET"]),
         Route("/health", api.health, methods=["GET"]),
         *(extra_routes or ()),
     ]
@@ -117,40 +127,48 @@ class _OpenAIServer:
         self.max_body_bytes = max_body_bytes
         self.offload = offload
         self.preparer = RequestPreparer(self.tokenizer, model_info.max_model_len)
+        self.texts = TokenTexts(self.tokenizer)
 
     async def completions(self, request: Request) -> Response:
         """``POST /v1/completions``."""
         try:
             body = await v.read_body(request, self.max_body_bytes)
-            req, prepared = await self.offload.run(len(body), self._prepare_completion, body)
+            req, prepared, spec = await self.offload.run(len(body), self._prepare_completion, body)
         except Exception as e:
             return error_response(e)
-        fmt = CompletionFormatter(id=f"cmpl-{uuid.uuid4().hex}", model=self.info.name)
+        fmt = CompletionFormatter(id=f"cmpl-{uuid.uuid4().hex}", model=self.info.name, spec=spec, texts=self.texts)
         return await self._serve(request, req, prepared, fmt)
 
     async def chat_completions(self, request: Request) -> Response:
         """``POST /v1/chat/completions``."""
         try:
             body = await v.read_body(request, self.max_body_bytes)
-            req, prepared = await self.offload.run(len(body), self._prepare_chat, body)
+            req, prepared, spec = await self.offload.run(len(body), self._prepare_chat, body)
         except Exception as e:
             return error_response(e)
-        fmt = ChatFormatter(id=f"chatcmpl-{uuid.uuid4().hex}", model=self.info.name)
+        fmt = ChatFormatter(id=f"chatcmpl-{uuid.uuid4().hex}", model=self.info.name, spec=spec, texts=self.texts)
         return await self._serve(request, req, prepared, fmt)
 
-    def _prepare_completion(self, body: bytes) -> tuple[CompletionRequest, PreparedRequest]:
-        """Body -> validated request, prompt ids, sampling params (a worker thread; raises APIError)."""
+    def _prepare_completion(self, body: bytes) -> tuple[CompletionRequest, PreparedRequest, ResponseSpec]:
+        """Body -> validated request, prompt ids, sampling params, what to show (a worker thread; raises APIError)."""
         req = v.parse_request(body, CompletionRequest, v.UNSUPPORTED_COMPLETION)
         v.check_model(req.model, self.info.name)
-        requested = COMPLETION_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
-        return req, self.preparer.prepare(v.completion_prompt(req), v.sampling_request(req, requested), "prompt")
+        prompt = v.completion_prompt(req)
+        prepared = self.preparer.prepare(prompt, v.completion_sampling(req, COMPLETION_DEFAULT_MAX_TOKENS), "prompt")
+        prompt_text = "" if not req.echo else prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
+        spec = ResponseSpec(n=req.n, logprobs=req.logprobs, prompt_logprobs=req.prompt_logprobs, echo=req.echo,
+                            echo_only=req.max_tokens == 0, prompt_ids=prepared.prompt_ids, prompt_text=prompt_text)
+        return req, prepared, spec
 
-    def _prepare_chat(self, body: bytes) -> tuple[ChatCompletionRequest, PreparedRequest]:
-        """Body -> validated request, rendered and encoded prompt, sampling params (a worker thread)."""
+    def _prepare_chat(self, body: bytes) -> tuple[ChatCompletionRequest, PreparedRequest, ResponseSpec]:
+        """Body -> validated request, rendered and encoded prompt, sampling params, what to show (a worker thread)."""
         req = v.parse_request(body, ChatCompletionRequest, v.UNSUPPORTED_CHAT)
         v.check_model(req.model, self.info.name)
         messages = ChatPrompt([m.template_dict() for m in req.messages])
-        return req, self.preparer.prepare(messages, v.sampling_request(req, req.requested_max_tokens), "messages")
+        prepared = self.preparer.prepare(messages, v.chat_sampling(req), "messages")
+        spec = ResponseSpec(n=req.n, logprobs=req.num_logprobs, prompt_logprobs=req.prompt_logprobs,
+                            prompt_ids=prepared.prompt_ids)
+        return req, prepared, spec
 
     async def models(self, request: Request) -> Response:
         """``GET /v1/models``: the one served model."""
@@ -188,35 +206,40 @@ class _OpenAIServer:
             await _aclose(deltas)
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         if req.stream:
-            events = _sse_events(deltas, first, fmt, len(prompt_ids), req.include_usage, req.continuous_usage)
+            events = _sse_events(deltas, first, fmt, len(prompt_ids), params.n, req.include_usage, req.continuous_usage)
             return SSEResponse(events, headers=headers)
         try:
-            finished, outcome = await cancel_on_disconnect(request.receive, lambda: _collect(deltas, first))
+            finished, outcome = await cancel_on_disconnect(request.receive, lambda: _collect(deltas, first, params.n))
         except Exception as e:
             return error_response(e, fmt.id)
         finally:
             await _aclose(deltas)
         if not finished or outcome is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        return JSONResponse(fmt.full(outcome, len(prompt_ids)), headers=headers)
+        try:
+            body = fmt.full(outcome, len(prompt_ids))
+        except Exception as e:  # the backend broke its contract (e.g. no logprobs although asked for)
+            return error_response(e, fmt.id)
+        return JSONResponse(body, headers=headers)
 
 
-async def _collect(deltas: AsyncIterator[TextDelta], first: TextDelta) -> Outcome:
+async def _collect(deltas: AsyncIterator[TextDelta], first: TextDelta, n: int) -> Outcome:
+    """Fold the deltas in until all ``n`` choices finished."""
     outcome = Outcome()
     outcome.add(first)
-    if first.finish_reason is None:
+    if not outcome.finished(n):
         async for delta in deltas:
             outcome.add(delta)
-            if delta.finish_reason is not None:
+            if outcome.finished(n):
                 break
     return outcome
 
 
 async def _sse_events(
-    deltas: AsyncGenerator[TextDelta, None], first: TextDelta, fmt: ResponseFormatter, prompt_tokens: int, include_usage: bool,
-    continuous_usage: bool = False,
+    deltas: AsyncGenerator[TextDelta, None], first: TextDelta, fmt: ResponseFormatter, prompt_tokens: int, n: int,
+    include_usage: bool, continuous_usage: bool = False,
 ) -> AsyncGenerator[str, None]:
-    """SSE event strings for one streamed request; always ends with ``[DONE]``."""
+    """SSE event strings for one streamed request of ``n`` choices; always ends with ``[DONE]``."""
     outcome = Outcome()
     try:
         for chunk in fmt.start_chunks():
@@ -224,13 +247,13 @@ async def _sse_events(
         delta: TextDelta | None = first
         while delta is not None:
             outcome.add(delta)
-            for chunk in fmt.delta_chunks(delta, outcome.usage(prompt_tokens) if continuous_usage else None):
+            for chunk in fmt.delta_chunks(delta, fmt.usage(outcome, prompt_tokens) if continuous_usage else None):
                 yield sse_event(chunk)
-            if delta.finish_reason is not None:
+            if outcome.finished(n):
                 break
             delta = await anext(deltas, None)
         if include_usage:
-            yield sse_event(fmt.usage_chunk(outcome.usage(prompt_tokens)))
+            yield sse_event(fmt.usage_chunk(fmt.usage(outcome, prompt_tokens)))
     except Exception as e:
         yield sse_event(to_api_error(e, fmt.id).body())
     finally:

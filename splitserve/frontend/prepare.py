@@ -4,12 +4,16 @@ The HTTP app (OpenAI JSON) and the gRPC RouterService (``pd.v1.GenerateRequest``
 prompt and a :class:`SamplingRequest`, then call :meth:`RequestPreparer.prepare`. Every check of the prompt and of
 the sampling parameters lives here, once:
 
-* the prompt is not empty; a text prompt that cannot fit the context is refused before it is tokenized
+* the prompt is not empty (a text prompt may be ``""`` when the tokenizer adds BOS: generation starts from BOS
+  alone, as transformers, vLLM and llama.cpp do); a text prompt that cannot fit the context is refused before it is tokenized
   (:mod:`.prompt_limit`), then encoded with the model's special tokens (BOS); a chat conversation is rendered with
   the model's chat template (:mod:`.chat`); prompt token ids must lie in the vocabulary;
-* stop token ids lie in the vocabulary; at most :data:`MAX_STOP_STRINGS` non-empty stop strings;
+* stop token ids, ``logit_bias`` keys and ``allowed_token_ids`` lie in the vocabulary; ``bad_words`` are
+  tokenized the way vLLM does (:func:`.sampling_map.bad_words_token_ids`); at most :data:`MAX_STOP_STRINGS`
+  non-empty stop strings;
 * prompt + ``max_tokens`` fits ``max_model_len`` (``max_tokens`` unset: all the room the prompt leaves);
-* the values :class:`SamplingParams` accepts (temperature, top_p, top_k, seed).
+* the values :class:`SamplingParams` accepts (temperature, top_p, top_k, seed, penalties, min_p, min_tokens,
+  logprobs, n ...; the error names the field).
 
 Tokenizing and rendering are CPU-heavy: call :meth:`RequestPreparer.prepare` off the event loop
 (:class:`.offload.Offload`). Errors are :class:`.errors.APIError` 400s naming the ``param`` (``code`` is
@@ -26,6 +30,7 @@ from splitserve.engine.sampling import SamplingParams
 from splitserve.frontend.chat import encode_chat
 from splitserve.frontend.errors import APIError
 from splitserve.frontend.prompt_limit import PromptLimit
+from splitserve.frontend.sampling_map import bad_words_token_ids, build_params
 
 MAX_STOP_STRINGS = 4
 """Most stop strings one request may carry."""
@@ -45,6 +50,8 @@ class SamplingRequest:
     Attributes:
         max_tokens: most tokens to generate; None: all the room the prompt leaves in the context.
         stop: stop strings (the matched string is not returned).
+        bad_words: words that must not be generated (tokenized here, vLLM's way).
+        The others as the :class:`SamplingParams` fields of the same name.
     """
 
     max_tokens: int | None = None
@@ -55,6 +62,17 @@ class SamplingRequest:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     stop: tuple[str, ...] = field(default_factory=tuple)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
+    bad_words: tuple[str, ...] = field(default_factory=tuple)
+    allowed_token_ids: tuple[int, ...] | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    n: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,15 +122,13 @@ class RequestPreparer:
         """The prompt's token ids (text and chat prompts are tokenized here). Raises APIError (400)."""
         if isinstance(prompt, ChatPrompt):
             ids = encode_chat(self.tokenizer, prompt.messages, self.limit)
-        elif len(prompt) == 0:
-            raise APIError("The prompt must not be empty.", param=param)
         elif isinstance(prompt, str):
             self.limit.check(prompt, param)
             ids = list(self.tokenizer.encode(prompt, add_special_tokens=True))
         else:
             self.check_token_ids(prompt, param)
             ids = list(prompt)
-        if not ids:
+        if not ids:  # "" on a tokenizer without BOS, or no token ids
             raise APIError("The prompt must not be empty.", param=param)
         return ids
 
@@ -125,14 +141,11 @@ class RequestPreparer:
             raise APIError(f"Invalid value for 'stop': {e}", param="stop") from None
         if sampling.stop_token_ids:
             self.check_token_ids(sampling.stop_token_ids, "stop_token_ids")
+        self.check_token_ids([t for t, _ in sampling.logit_bias], "logit_bias")
+        if sampling.allowed_token_ids is not None:
+            self.check_token_ids(sampling.allowed_token_ids, "allowed_token_ids")
         max_tokens = self.completion_budget(prompt_len, sampling.max_tokens, param)
-        try:
-            return SamplingParams(
-                max_tokens=max_tokens, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-                seed=sampling.seed, stop_token_ids=tuple(sampling.stop_token_ids), ignore_eos=sampling.ignore_eos,
-            )
-        except ValueError as e:
-            raise APIError(str(e)) from None
+        return build_params(sampling, max_tokens, bad_words_token_ids(self.tokenizer, sampling.bad_words))
 
     def check_token_ids(self, ids: Sequence[int], param: str) -> None:
         """Raise a 400 when an id is outside the tokenizer's vocabulary."""

@@ -1,11 +1,12 @@
 """Pydantic models of the OpenAI ``/v1/completions`` and ``/v1/chat/completions`` wire format.
 
-Requests accept the OpenAI fields plus the vLLM-style extensions ``top_k``,
-``stop_token_ids`` and ``ignore_eos``. Fields this server cannot honour (``echo``,
-``logprobs``, ``best_of``, ``tools`` ...) are rejected by :mod:`.validation` with a 400
-naming the field; any other unknown field is rejected as OpenAI does
-("Unrecognized request argument supplied"). Responses and stream chunks have exactly
-OpenAI's shape (``logprobs`` always null).
+Requests accept the OpenAI fields (``n``, ``logprobs``, ``echo``, ``best_of``, penalties, ``logit_bias`` ...)
+plus vLLM's extensions (``top_k``, ``min_p``, ``min_tokens``, ``repetition_penalty``, ``stop_token_ids``,
+``ignore_eos``, ``bad_words``, ``allowed_token_ids``, ``prompt_logprobs``). Fields this server cannot honour
+(``suffix``, ``tools`` ...) are rejected by :mod:`.validation` with a 400 naming the field; any other unknown
+field is rejected as OpenAI does ("Unrecognized request argument supplied"). Responses and stream chunks have
+OpenAI's shape; the logprob objects are in :mod:`.logprob_format`, vLLM's ``prompt_logprobs`` appears only
+when asked for.
 
 Requests are validated strictly for types, as OpenAI does: a string is never coerced to a number
 or a boolean (``"max_tokens": "8"`` is a 400), a boolean is not an integer, an integer field takes
@@ -17,8 +18,12 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, field_validator, model_validator
+from pydantic import (
+    BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, field_validator, model_serializer, model_validator,
+)
 
+from splitserve.engine.sampling import MAX_LOGPROBS, MAX_N
+from splitserve.frontend.logprob_format import ChatLogprobs, CompletionLogprobs, PromptLogprobsJson
 from splitserve.frontend.prepare import check_stop_strings
 
 def _integral_float_to_int(v: Any) -> Any:
@@ -29,6 +34,14 @@ JsonInt = Annotated[int, BeforeValidator(_integral_float_to_int)]
 """An integer field of a strict request model: also takes an integral JSON number such as ``8.0``."""
 
 _STRICT = ConfigDict(extra="forbid", strict=True)
+
+
+class FieldError(ValueError):
+    """A cross-field check failed; :mod:`.validation` reports it as a 400 naming ``param``."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class StreamOptions(BaseModel):
@@ -55,7 +68,16 @@ class GenerationRequest(BaseModel):
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: JsonInt = 1
+    n: JsonInt = Field(default=1, ge=1, le=MAX_N)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    min_tokens: JsonInt = Field(default=0, ge=0)
+    logit_bias: dict[str, Any] | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[StrictInt] | None = Field(default=None, min_length=1)
+    prompt_logprobs: JsonInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
     @field_validator("stop")
     @classmethod
@@ -77,11 +99,23 @@ class GenerationRequest(BaseModel):
             raise ValueError("token ids must be non-negative")
         return v
 
-    @field_validator("n")
+    @field_validator("allowed_token_ids")
     @classmethod
-    def _check_n(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError("only n=1 is supported")
+    def _check_allowed_ids(cls, v: list[int] | None) -> list[int] | None:
+        if v and any(t < 0 for t in v):
+            raise ValueError("token ids must be non-negative")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        for key, bias in (v or {}).items():
+            if not key.isascii() or not key.isdecimal():
+                raise ValueError(f"keys must be token ids as strings of digits (e.g. \"50256\"), got {key!r}")
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)):
+                raise ValueError(f"the bias of token {key} must be a number, got {bias!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"the bias of token {key} must be in [-100, 100], got {bias!r}")
         return v
 
     @model_validator(mode="after")
@@ -89,6 +123,15 @@ class GenerationRequest(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         return self
+
+    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        """``logit_bias`` as ``(token_id, bias)`` pairs (keys already checked to be decimal ids)."""
+        return tuple((int(k), float(b)) for k, b in (self.logit_bias or {}).items())
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Top alternatives per generated token when logprobs are asked for, else None."""
+        return None
 
     def stop_list(self) -> list[str]:
         """Stop strings as a list (possibly empty)."""
@@ -108,9 +151,34 @@ class GenerationRequest(BaseModel):
 
 
 class CompletionRequest(GenerationRequest):
-    """``POST /v1/completions``. ``prompt`` is one string or one list of token ids."""
+    """``POST /v1/completions``. ``prompt`` is one string or one list of token ids.
+
+    ``max_tokens: 0`` is allowed with ``echo`` only (the prompt and its logprobs, nothing generated: how
+    lm-evaluation-harness scores a text). ``best_of`` (non-streaming only) generates that many choices and
+    returns the ``n`` with the highest cumulative logprob.
+    """
 
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
+    max_tokens: JsonInt | None = Field(default=None, ge=0)
+    echo: bool = False
+    logprobs: JsonInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    best_of: JsonInt | None = Field(default=None, ge=1, le=MAX_N)
+
+    @model_validator(mode="after")
+    def _check_completion(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise FieldError("max_tokens", "0 is only allowed with echo (the prompt's logprobs, no completion)")
+        if self.best_of is not None:
+            if self.best_of < self.n:
+                raise FieldError("best_of", f"must be at least n ({self.n}), got {self.best_of}")
+            if self.stream and self.best_of > self.n:
+                raise FieldError("best_of", "cannot be used with stream (the best choices are known at the end)")
+        return self
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """``logprobs`` (the completions API's top alternatives per token)."""
+        return self.logprobs
 
 
 class TextContentPart(BaseModel):
@@ -147,6 +215,21 @@ class ChatCompletionRequest(GenerationRequest):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: JsonInt | None = Field(default=None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: JsonInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _check_chat_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise FieldError("top_logprobs", "requires logprobs to be true")
+        if self.stream and self.prompt_logprobs is not None:
+            raise FieldError("prompt_logprobs", "is not available when stream is true (as vLLM)")
+        return self
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """``top_logprobs`` (0 when unset) when ``logprobs`` is true, else None."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -182,13 +265,25 @@ class Usage(BaseModel):
         )
 
 
-class CompletionChoice(BaseModel):
-    """A choice of a completion response or stream chunk."""
+class _OmitsUnsetPromptLogprobs(BaseModel):
+    """Drops vLLM's ``prompt_logprobs`` key unless it was asked for (OpenAI's shapes have no such key)."""
+
+    @model_serializer(mode="wrap")
+    def _omit_prompt_logprobs(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("prompt_logprobs", 0) is None:
+            del data["prompt_logprobs"]
+        return data
+
+
+class CompletionChoice(_OmitsUnsetPromptLogprobs):
+    """A choice of a completion response or stream chunk (``prompt_logprobs``: vLLM's, when asked for)."""
 
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobsJson | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -216,12 +311,12 @@ class ChatChoice(BaseModel):
 
     index: int = 0
     message: ChatResponseMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
-class ChatCompletionResponse(BaseModel):
-    """A non-streamed ``chat.completion`` object."""
+class ChatCompletionResponse(_OmitsUnsetPromptLogprobs):
+    """A non-streamed ``chat.completion`` object (``prompt_logprobs``: vLLM's, top-level, when asked for)."""
 
     id: str
     object: Literal["chat.completion"] = "chat.completion"
@@ -230,6 +325,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     system_fingerprint: str | None = None
+    prompt_logprobs: PromptLogprobsJson | None = None
 
 
 class ChatChunkChoice(BaseModel):
@@ -237,7 +333,7 @@ class ChatChunkChoice(BaseModel):
 
     index: int = 0
     delta: dict[str, str]
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 

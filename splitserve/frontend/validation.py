@@ -16,7 +16,7 @@ from pydantic import BaseModel, ValidationError
 from splitserve.frontend.errors import APIError, model_not_found
 from splitserve.frontend.json_body import parse_json_object
 from splitserve.frontend.prepare import SamplingRequest
-from splitserve.frontend.protocol import CompletionRequest, GenerationRequest
+from splitserve.frontend.protocol import ChatCompletionRequest, CompletionRequest, FieldError, GenerationRequest
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -32,22 +32,10 @@ def _is(*allowed: Any) -> Callable[[Any], bool]:
 
 
 # field -> predicate telling whether the given value is one we can honour (i.e. a default)
-_UNSUPPORTED_COMMON: dict[str, Callable[[Any], bool]] = {
-    "logit_bias": _falsy,
-    "frequency_penalty": lambda v: v is None or v == 0,
-    "presence_penalty": lambda v: v is None or v == 0,
-}
-UNSUPPORTED_COMPLETION = {
-    **_UNSUPPORTED_COMMON,
-    "echo": _falsy,
-    "logprobs": _is(None, False),
-    "best_of": _is(None, 1),
+UNSUPPORTED_COMPLETION: dict[str, Callable[[Any], bool]] = {
     "suffix": _falsy,
 }
-UNSUPPORTED_CHAT = {
-    **_UNSUPPORTED_COMMON,
-    "logprobs": _is(None, False),
-    "top_logprobs": _is(None),
+UNSUPPORTED_CHAT: dict[str, Callable[[Any], bool]] = {
     "tools": _falsy,
     "functions": _falsy,
     "tool_choice": _is(None, "none", "auto"),
@@ -59,6 +47,8 @@ UNSUPPORTED_CHAT = {
     "reasoning_effort": _is(None),
     "web_search_options": _is(None),
 }
+
+_REASONS = {"suffix": "the served model has no fill-in-the-middle (FIM) support"}
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "none", "list", "dict"}
 
@@ -110,7 +100,8 @@ def parse_request(body: bytes, cls: type[M], unsupported: dict[str, Callable[[An
     for name, acceptable in unsupported.items():
         if name in data:
             if not acceptable(data[name]):
-                raise APIError(f"'{name}' is not supported by this server.", param=name)
+                reason = f": {_REASONS[name]}" if name in _REASONS else ""
+                raise APIError(f"'{name}' is not supported by this server{reason}.", param=name)
             del data[name]
     for name in _IGNORED:
         data.pop(name, None)
@@ -122,6 +113,9 @@ def parse_request(body: bytes, cls: type[M], unsupported: dict[str, Callable[[An
 
 def _readable(e: ValidationError) -> APIError:
     err = e.errors(include_url=False)[0]
+    cause = (err.get("ctx") or {}).get("error")
+    if isinstance(cause, FieldError):
+        return APIError(f"Invalid value for '{cause.param}': {cause}", param=cause.param)
     parts = [
         str(p) for p in err["loc"] if not (isinstance(p, str) and ("[" in p or p in _TYPE_TAGS or "-" in p))
     ]
@@ -199,9 +193,11 @@ def completion_prompt(req: CompletionRequest) -> str | list[int]:
     return prompt
 
 
-def sampling_request(req: GenerationRequest, max_tokens: int | None) -> SamplingRequest:
-    """The request's sampling fields with OpenAI's defaults (temperature 1, top_p 1; top_k off);
-    ``max_tokens`` None: all the room the prompt leaves."""
+def sampling_request(req: GenerationRequest, max_tokens: int | None, *, n: int | None = None,
+                     logprobs: int | None = None, prompt_logprobs: int | None = None) -> SamplingRequest:
+    """The request's sampling fields with OpenAI's defaults (temperature 1, top_p 1; top_k, penalties and
+    min_p off); ``max_tokens`` None: all the room the prompt leaves. ``n``, ``logprobs`` and ``prompt_logprobs``
+    override what the request says (best_of and echo ask the backend for more than the client sees)."""
     return SamplingRequest(
         max_tokens=max_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
@@ -211,4 +207,37 @@ def sampling_request(req: GenerationRequest, max_tokens: int | None) -> Sampling
         stop_token_ids=tuple(req.stop_token_ids or ()),
         ignore_eos=req.ignore_eos,
         stop=tuple(req.stop_list()),
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        min_p=req.min_p or 0.0,
+        min_tokens=req.min_tokens,
+        logit_bias=req.logit_bias_pairs(),
+        bad_words=tuple(req.bad_words or ()),
+        allowed_token_ids=None if req.allowed_token_ids is None else tuple(req.allowed_token_ids),
+        logprobs=req.num_logprobs if logprobs is None else logprobs,
+        prompt_logprobs=req.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
+        n=req.n if n is None else n,
     )
+
+
+def completion_sampling(req: CompletionRequest, default_max_tokens: int) -> SamplingRequest:
+    """Sampling of a completions request, with what the backend must produce for ``echo`` and ``best_of``:
+
+    * ``echo`` with ``logprobs``: prompt logprobs (at least ``logprobs`` alternatives);
+    * ``max_tokens: 0`` (echo only): one token is generated and dropped from the response;
+    * ``best_of`` > ``n``: ``best_of`` choices, each with logprobs (their sum ranks them).
+    """
+    requested = default_max_tokens if req.max_tokens is None else max(req.max_tokens, 1)
+    prompt_logprobs = req.prompt_logprobs
+    if req.echo and req.logprobs is not None:
+        prompt_logprobs = max(prompt_logprobs or 0, req.logprobs)
+    n, logprobs = req.n, req.logprobs
+    if req.best_of is not None and req.best_of > req.n:
+        n, logprobs = req.best_of, logprobs or 0
+    return sampling_request(req, requested, n=n, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+
+
+def chat_sampling(req: ChatCompletionRequest) -> SamplingRequest:
+    """Sampling of a chat request (``max_completion_tokens`` wins over ``max_tokens``)."""
+    return sampling_request(req, req.requested_max_tokens)
