@@ -212,6 +212,6 @@ def test_tokenizer_index_and_compiled_grammar_are_reused(gguf):
 
     spec = GuidedSpec("regex", "[0-9]{3}-cache-test")
     make_matcher(spec, tok, 512)
-    compiled = guided._compiled[(id(tokenizer_index(tok, 512)), spec)]
+    compiled = guided._compiled[(tokenizer_index(tok, 512), spec)]
     make_matcher(spec, tok, 512)
-    assert guided._compiled[(id(tokenizer_index(tok, 512)), spec)] is compiled
+    assert guided._compiled[(tokenizer_index(tok, 512), spec)] is compiled

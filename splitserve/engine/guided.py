@@ -49,6 +49,9 @@ from splitserve.errors import InvalidRequest
 COMPILED_CACHE_SIZE = 256
 """Compiled grammars kept per process (LRU over (tokenizer index, spec))."""
 
+MAX_TOKENIZERS = 8
+"""Tokenizer indexes kept per process (a server has one; tests make many)."""
+
 JSON_OPTIONS = {"whitespace_flexible": False}
 """llguidance JSON compile options: separators "," and ":" with no whitespace."""
 
@@ -89,7 +92,7 @@ class TokenizerIndex:
 
 
 _indexes: dict[tuple[int, int, tuple[int, ...]], tuple[Any, TokenizerIndex]] = {}
-_compiled: OrderedDict[tuple[int, GuidedSpec], llguidance.LLMatcher] = OrderedDict()
+_compiled: OrderedDict[tuple[TokenizerIndex, GuidedSpec], llguidance.LLMatcher] = OrderedDict()
 _lock = threading.Lock()
 
 
@@ -104,6 +107,8 @@ def tokenizer_index(tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int
     index = TokenizerIndex(tokenizer, int(vocab_size), eos)
     with _lock:
         _indexes[key] = (tokenizer, index)  # holds the tokenizer so its id() is never reused
+        while len(_indexes) > MAX_TOKENIZERS:
+            _indexes.pop(next(iter(_indexes)))
     return index
 
 
@@ -139,7 +144,7 @@ def _first_line(text: str, limit: int = 300) -> str:
 
 def _compile(spec: GuidedSpec, index: TokenizerIndex) -> llguidance.LLMatcher:
     """A pristine matcher for ``spec`` (LRU cached; callers deep-copy it). Raises InvalidRequest."""
-    key = (id(index), spec)
+    key = (index, spec)  # the index object itself: an evicted index's id() could be reused
     with _lock:
         hit = _compiled.get(key)
         if hit is not None:

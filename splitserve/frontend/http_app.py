@@ -50,6 +50,8 @@ from splitserve.frontend.protocol import ChatCompletionRequest, CompletionReques
 from splitserve.frontend.responses import ChatFormatter, CompletionFormatter, Outcome, ResponseFormatter
 from splitserve.frontend.sse import DONE, SSEResponse, cancel_on_disconnect, sse_event
 from splitserve.frontend import validation as v
+from splitserve.frontend.structured import with_guided
+from splitserve.frontend.tools import plan_tools, template_messages
 from splitserve.telemetry.requests import observe_request
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
@@ -135,7 +137,8 @@ class _OpenAIServer:
             req, prepared = await self.offload.run(len(body), self._prepare_chat, body)
         except Exception as e:
             return error_response(e)
-        fmt = ChatFormatter(id=f"chatcmpl-{uuid.uuid4().hex}", model=self.info.name)
+        fmt = ChatFormatter(id=f"chatcmpl-{uuid.uuid4().hex}", model=self.info.name,
+                            tools=plan_tools(req.tools, req.tool_choice))  # validated in _prepare_chat
         return await self._serve(request, req, prepared, fmt)
 
     def _prepare_completion(self, body: bytes) -> tuple[CompletionRequest, PreparedRequest]:
@@ -143,14 +146,17 @@ class _OpenAIServer:
         req = v.parse_request(body, CompletionRequest, v.UNSUPPORTED_COMPLETION)
         v.check_model(req.model, self.info.name)
         requested = COMPLETION_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
-        return req, self.preparer.prepare(v.completion_prompt(req), v.sampling_request(req, requested), "prompt")
+        prepared = self.preparer.prepare(v.completion_prompt(req), v.sampling_request(req, requested), "prompt")
+        return req, with_guided(prepared, req, self.tokenizer)  # structured outputs (frontend.structured)
 
     def _prepare_chat(self, body: bytes) -> tuple[ChatCompletionRequest, PreparedRequest]:
         """Body -> validated request, rendered and encoded prompt, sampling params (a worker thread)."""
         req = v.parse_request(body, ChatCompletionRequest, v.UNSUPPORTED_CHAT)
         v.check_model(req.model, self.info.name)
-        messages = ChatPrompt([m.template_dict() for m in req.messages])
-        return req, self.preparer.prepare(messages, v.sampling_request(req, req.requested_max_tokens), "messages")
+        plan = plan_tools(req.tools, req.tool_choice)  # --- tools and structured outputs (frontend.tools / .structured)
+        messages = ChatPrompt(template_messages([m.template_dict() for m in req.messages]), plan.tools if plan else None)
+        prepared = self.preparer.prepare(messages, v.sampling_request(req, req.requested_max_tokens), "messages")
+        return req, with_guided(prepared, req, self.tokenizer, plan.guided() if plan else None)
 
     async def models(self, request: Request) -> Response:
         """``GET /v1/models``: the one served model."""

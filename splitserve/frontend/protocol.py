@@ -56,6 +56,12 @@ class GenerationRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: JsonInt = 1
+    # --- structured outputs (validated by splitserve.frontend.structured, which names the field in a 400) ---
+    response_format: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
 
     @field_validator("stop")
     @classmethod
@@ -147,6 +153,9 @@ class ChatCompletionRequest(GenerationRequest):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: JsonInt | None = Field(default=None, ge=1)
+    # --- tools (validated by splitserve.frontend.tools.plan_tools, which names the field in a 400) ---
+    tools: Any = None
+    tool_choice: Any = None
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -207,8 +216,10 @@ class ChatResponseMessage(BaseModel):
     """The assistant message of a non-streamed chat completion."""
 
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
     refusal: str | None = None
+    # tool calls (splitserve.frontend.tools), OpenAI's shape; the key is left out when there are none
+    tool_calls: list[dict[str, Any]] | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class ChatChoice(BaseModel):
@@ -236,7 +247,7 @@ class ChatChunkChoice(BaseModel):
     """A choice of a stream chunk; ``delta`` holds only the keys that are present."""
 
     index: int = 0
-    delta: dict[str, str]
+    delta: dict[str, Any]  # "role" / "content" strings, or "tool_calls" (splitserve.frontend.tools.ToolStream)
     logprobs: None = None
     finish_reason: str | None = None
 

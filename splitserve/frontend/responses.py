@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from splitserve.frontend.pipeline import TextDelta
+from splitserve.frontend.tools import ToolPlan, ToolStream
 from splitserve.frontend.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -84,6 +86,8 @@ class ChatFormatter:
     id: str
     model: str
     created: int = field(default_factory=lambda: int(time.time()))
+    tools: ToolPlan | None = None  # chat tools: text -> tool_calls (splitserve.frontend.tools)
+    _tool_stream: ToolStream | None = None
 
     def start_chunks(self) -> list[str]:
         """The role chunk OpenAI sends first."""
@@ -91,11 +95,27 @@ class ChatFormatter:
 
     def delta_chunks(self, delta: TextDelta, usage: Usage | None = None) -> list[str]:
         """A content chunk (if there is text) and a finish chunk (if finished); ``usage`` rides along if given."""
+        if self.tools is not None:
+            return self._tool_chunks(delta, usage)
         out = []
         if delta.text:
             out.append(self._chunk({"content": delta.text}, usage=usage))
         if delta.finish_reason is not None:
             out.append(self._chunk({}, delta.finish_reason, usage))
+        return out
+
+    def _tool_chunks(self, delta: TextDelta, usage: Usage | None) -> list[str]:
+        """Chunks of a request with tools: content and ``tool_calls`` deltas from :class:`ToolStream`."""
+        if self._tool_stream is None:
+            self._tool_stream = self.tools.stream()
+        deltas = self._tool_stream.feed(delta.text)
+        finish = delta.finish_reason
+        if finish is not None:
+            more, finish = self._tool_stream.finish(finish)
+            deltas += more
+        out = [self._chunk(d, usage=usage) for d in deltas]
+        if finish is not None:
+            out.append(self._chunk({}, finish, usage))
         return out
 
     def usage_chunk(self, usage: Usage) -> str:
@@ -105,12 +125,15 @@ class ChatFormatter:
 
     def full(self, outcome: Outcome, prompt_tokens: int) -> dict:
         """The non-streamed response body."""
-        choice = ChatChoice(message=ChatResponseMessage(content=outcome.text), finish_reason=outcome.finish_reason)
+        content, calls, finish = outcome.text, [], outcome.finish_reason
+        if self.tools is not None:
+            content, calls, finish = self.tools.parse(outcome.text, outcome.finish_reason)
+        choice = ChatChoice(message=ChatResponseMessage(content=content, tool_calls=calls or None), finish_reason=finish)
         return ChatCompletionResponse(
             id=self.id, created=self.created, model=self.model, choices=[choice], usage=outcome.usage(prompt_tokens)
         ).model_dump()
 
-    def _chunk(self, delta: dict[str, str], finish_reason: str | None = None, usage: Usage | None = None) -> str:
+    def _chunk(self, delta: dict[str, Any], finish_reason: str | None = None, usage: Usage | None = None) -> str:
         choice = ChatChunkChoice(delta=delta, finish_reason=finish_reason)
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice], usage=usage).model_dump_json()
 
