@@ -27,7 +27,7 @@ from splitserve.engine.guided_spec import GuidedSpec
 from splitserve.frontend.errors import APIError
 
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
-_EMPTY_PARAMS = {"type": "object", "properties": {}}
+_EMPTY_PARAMS = {"type": "object", "properties": {}, "additionalProperties": False}  # no parameters: arguments are {}
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 _PREFIX = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
 
