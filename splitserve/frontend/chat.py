@@ -14,6 +14,11 @@ Fallback when the model has no chat template (e.g. TinyStories): each message be
     user: Tell me a story.
     assistant:
 
+With ``tools`` (chat ``tools``, passed to the template as transformers' ``apply_chat_template(tools=...)``
+does), the fallback starts with a ``system:`` line listing them as JSON and the Hermes ``<tool_call>``
+convention; an assistant message's ``tool_calls`` follow its content as ``<tool_call>{"name": ...,
+"arguments": ...}</tool_call>``, and a ``tool`` message becomes ``tool: <tool_response>...</tool_response>``.
+
 The rendered text is encoded with the model's special tokens (BOS) unless it already
 starts with ``bos_token``, so BOS is never added twice.
 """
@@ -34,7 +39,15 @@ from splitserve.frontend.errors import APIError
 from splitserve.frontend.prompt_limit import PromptLimit
 
 FALLBACK_TEMPLATE = (
-    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    # --- tools (splitserve.frontend.tools): the tool list, assistant tool calls, tool results ---
+    "{% if tools %}system: You may call these tools: {{ tools | tojson }}\n"
+    "To call one, answer with <tool_call>{\"name\": <function name>, \"arguments\": <arguments object>}</tool_call>.\n{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'tool' %}tool: <tool_response>{{ message['content'] }}</tool_response>\n"
+    "{% else %}{{ message['role'] }}: {{ message['content'] }}"
+    "{% for call in message['tool_calls'] or [] %}<tool_call>"
+    "{{ {'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson }}</tool_call>{% endfor %}"
+    "{{ '\\n' }}{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )
 """Plain-text template used when the model has no ``chat_template``."""
@@ -75,8 +88,10 @@ def render_chat(
     bos_token: str | None = None,
     eos_token: str | None = None,
     add_generation_prompt: bool = True,
+    tools: Sequence[dict[str, Any]] | None = None,
 ) -> str:
-    """Render ``messages`` (dicts with at least ``role`` and ``content``) to prompt text.
+    """Render ``messages`` (dicts with at least ``role`` and ``content``) to prompt text; ``tools`` (OpenAI
+    tool dicts, or None) is the template's ``tools`` variable.
 
     Raises:
         APIError: 400 when the template rejects the conversation (``raise_exception``)
@@ -90,6 +105,7 @@ def render_chat(
             add_generation_prompt=add_generation_prompt,
             bos_token=bos_token or "",
             eos_token=eos_token or "",
+            tools=list(tools) if tools else None,
         )
     except jinja2.exceptions.TemplateError as e:
         raise APIError(f"Invalid conversation for this model's chat template: {e}", param="messages") from None
@@ -98,7 +114,8 @@ def render_chat(
 
 
 def encode_chat(tokenizer: Any, messages: Sequence[dict[str, Any]], limit: PromptLimit | None = None, *,
-                add_generation_prompt: bool = True, add_special_tokens: bool | None = None) -> list[int]:
+                add_generation_prompt: bool = True, add_special_tokens: bool | None = None,
+                tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
     """Render with the tokenizer's template (or the fallback) and encode without a double BOS.
 
     CPU-heavy for long conversations: call it off the event loop. With ``limit``, a rendered prompt
@@ -107,7 +124,7 @@ def encode_chat(tokenizer: Any, messages: Sequence[dict[str, Any]], limit: Promp
     uses); True / False: as told (``/tokenize``).
     """
     text = render_chat(messages, tokenizer.chat_template, tokenizer.bos_token, tokenizer.eos_token,
-                       add_generation_prompt=add_generation_prompt)
+                       add_generation_prompt=add_generation_prompt, tools=tools)
     if limit is not None:
         limit.check(text, "messages")
     bos = tokenizer.bos_token

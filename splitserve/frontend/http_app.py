@@ -56,6 +56,8 @@ from splitserve.frontend.responses import ChatFormatter, CompletionFormatter, Ou
 from splitserve.frontend.sse import DONE, SSEResponse, cancel_on_disconnect, sse_event
 from splitserve.frontend.tokenize_api import TokenizeAPI
 from splitserve.frontend import validation as v
+from splitserve.frontend.structured import with_guided
+from splitserve.frontend.tools import plan_tools, template_messages
 from splitserve.telemetry.requests import observe_request
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
@@ -146,7 +148,8 @@ class _OpenAIServer:
             req, prepared, spec = await self.offload.run(len(body), self._prepare_chat, body)
         except Exception as e:
             return error_response(e)
-        fmt = ChatFormatter(id=f"chatcmpl-{uuid.uuid4().hex}", model=self.info.name, spec=spec, texts=self.texts)
+        fmt = ChatFormatter(id=f"chatcmpl-{uuid.uuid4().hex}", model=self.info.name, spec=spec, texts=self.texts,
+                            tools=plan_tools(req.tools, req.tool_choice))  # validated in _prepare_chat
         return await self._serve(request, req, prepared, fmt)
 
     def _prepare_completion(self, body: bytes) -> tuple[CompletionRequest, PreparedRequest, ResponseSpec]:
@@ -155,6 +158,7 @@ class _OpenAIServer:
         v.check_model(req.model, self.info.name)
         prompt = v.completion_prompt(req)
         prepared = self.preparer.prepare(prompt, v.completion_sampling(req, COMPLETION_DEFAULT_MAX_TOKENS), "prompt")
+        prepared = with_guided(prepared, req, self.tokenizer)  # structured outputs (frontend.structured)
         prompt_text = "" if not req.echo else prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
         spec = ResponseSpec(n=req.n, logprobs=req.logprobs, prompt_logprobs=req.prompt_logprobs, echo=req.echo,
                             echo_only=req.max_tokens == 0, prompt_ids=prepared.prompt_ids, prompt_text=prompt_text)
@@ -164,8 +168,10 @@ class _OpenAIServer:
         """Body -> validated request, rendered and encoded prompt, sampling params, what to show (a worker thread)."""
         req = v.parse_request(body, ChatCompletionRequest, v.UNSUPPORTED_CHAT)
         v.check_model(req.model, self.info.name)
-        messages = ChatPrompt([m.template_dict() for m in req.messages])
+        plan = plan_tools(req.tools, req.tool_choice)  # --- tools and structured outputs (frontend.tools / .structured)
+        messages = ChatPrompt(template_messages([m.template_dict() for m in req.messages]), plan.tools if plan else None)
         prepared = self.preparer.prepare(messages, v.chat_sampling(req), "messages")
+        prepared = with_guided(prepared, req, self.tokenizer, plan.guided() if plan else None)
         spec = ResponseSpec(n=req.n, logprobs=req.num_logprobs, prompt_logprobs=req.prompt_logprobs,
                             prompt_ids=prepared.prompt_ids)
         return req, prepared, spec

@@ -41,6 +41,7 @@ class ChatPrompt:
     """A conversation to render with the model's chat template: dicts with at least ``role`` and ``content``."""
 
     messages: Sequence[dict[str, Any]]
+    tools: Sequence[dict[str, Any]] | None = None  # chat ``tools``, the template's ``tools`` variable
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +122,7 @@ class RequestPreparer:
     def prompt_ids(self, prompt: str | Sequence[int] | ChatPrompt, param: str = "prompt") -> list[int]:
         """The prompt's token ids (text and chat prompts are tokenized here). Raises APIError (400)."""
         if isinstance(prompt, ChatPrompt):
-            ids = encode_chat(self.tokenizer, prompt.messages, self.limit)
+            ids = encode_chat(self.tokenizer, prompt.messages, self.limit, tools=prompt.tools)
         elif isinstance(prompt, str):
             self.limit.check(prompt, param)
             ids = list(self.tokenizer.encode(prompt, add_special_tokens=True))

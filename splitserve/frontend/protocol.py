@@ -78,6 +78,12 @@ class GenerationRequest(BaseModel):
     bad_words: list[str] | None = None
     allowed_token_ids: list[StrictInt] | None = Field(default=None, min_length=1)
     prompt_logprobs: JsonInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # --- structured outputs (validated by splitserve.frontend.structured, which names the field in a 400) ---
+    response_format: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
 
     @field_validator("stop")
     @classmethod
@@ -217,6 +223,9 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: JsonInt | None = Field(default=None, ge=1)
     logprobs: bool | None = None
     top_logprobs: JsonInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # --- tools (validated by splitserve.frontend.tools.plan_tools, which names the field in a 400) ---
+    tools: Any = None
+    tool_choice: Any = None
 
     @model_validator(mode="after")
     def _check_chat_logprobs(self) -> ChatCompletionRequest:
@@ -302,8 +311,10 @@ class ChatResponseMessage(BaseModel):
     """The assistant message of a non-streamed chat completion."""
 
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
     refusal: str | None = None
+    # tool calls (splitserve.frontend.tools), OpenAI's shape; the key is left out when there are none
+    tool_calls: list[dict[str, Any]] | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class ChatChoice(BaseModel):
@@ -332,7 +343,7 @@ class ChatChunkChoice(BaseModel):
     """A choice of a stream chunk; ``delta`` holds only the keys that are present."""
 
     index: int = 0
-    delta: dict[str, str]
+    delta: dict[str, Any]  # "role" / "content" strings, or "tool_calls" (splitserve.frontend.tools.ToolStream)
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 

@@ -13,10 +13,12 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from splitserve.engine.logprobs import PromptLogprobs, TokenLogprob
 from splitserve.frontend import logprob_format as lf
 from splitserve.frontend.pipeline import TextDelta
+from splitserve.frontend.tools import ToolPlan, ToolStream
 from splitserve.frontend.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -214,6 +216,8 @@ class ChatFormatter(_Formatter):
     spec: ResponseSpec = field(default_factory=ResponseSpec)
     texts: lf.TokenTexts | None = None
     created: int = field(default_factory=lambda: int(time.time()))
+    tools: ToolPlan | None = None  # chat tools: text -> tool_calls (splitserve.frontend.tools)
+    _tool_streams: dict[int, ToolStream] = field(default_factory=dict)  # one per choice index
 
     def start_chunks(self) -> list[str]:
         """The role chunk OpenAI sends first, one per choice."""
@@ -221,7 +225,9 @@ class ChatFormatter(_Formatter):
 
     def delta_chunks(self, delta: TextDelta, usage: Usage | None = None) -> list[str]:
         """A content chunk (if there is text, or tokens whose logprobs to show) and a finish chunk (if finished);
-        ``usage`` rides along if given."""
+        ``usage`` rides along if given. With tools, ``tool_calls`` deltas instead of content (:meth:`_tool_chunks`)."""
+        if self.tools is not None:
+            return self._tool_chunks(delta, usage)
         out = []
         logprobs = None
         if self.spec.logprobs is not None and delta.token_ids:
@@ -233,27 +239,46 @@ class ChatFormatter(_Formatter):
             out.append(self._chunk(delta.index, {}, delta.finish_reason, usage))
         return out
 
+    def _tool_chunks(self, delta: TextDelta, usage: Usage | None) -> list[str]:
+        """Chunks of a request with tools: content and ``tool_calls`` deltas from :class:`ToolStream`."""
+        stream = self._tool_streams.get(delta.index)
+        if stream is None:
+            stream = self._tool_streams[delta.index] = self.tools.stream()
+        deltas = stream.feed(delta.text)
+        finish = delta.finish_reason
+        if finish is not None:
+            more, finish = stream.finish(finish)
+            deltas += more
+        out = [self._chunk(delta.index, d, usage=usage) for d in deltas]
+        if finish is not None:
+            out.append(self._chunk(delta.index, {}, finish, usage))
+        return out
+
     def usage_chunk(self, usage: Usage) -> str:
         """The final ``include_usage`` chunk (empty choices)."""
         obj = ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[], usage=usage)
         return obj.model_dump_json()
 
     def full(self, outcome: Outcome, prompt_tokens: int) -> dict:
-        """The non-streamed response body (vLLM's ``prompt_logprobs`` at the top level, when asked for)."""
+        """The non-streamed response body (vLLM's ``prompt_logprobs`` at the top level, when asked for); with tools,
+        each choice's text is parsed into ``tool_calls`` (:meth:`ToolPlan.parse`)."""
         choices = []
         for index, c in enumerate(self._best(outcome)):
             logprobs = None
             if self.spec.logprobs is not None:
                 entries = self._output_entries(c.token_ids, c.logprobs) if c.token_ids else []
                 logprobs = lf.chat_logprobs(entries, self.spec.logprobs, self.texts)
-            choices.append(ChatChoice(index=index, message=ChatResponseMessage(content=c.text), logprobs=logprobs,
-                                      finish_reason=c.finish_reason))
+            content, calls, finish = c.text, [], c.finish_reason
+            if self.tools is not None:
+                content, calls, finish = self.tools.parse(c.text, c.finish_reason)
+            message = ChatResponseMessage(content=content, tool_calls=calls or None)
+            choices.append(ChatChoice(index=index, message=message, logprobs=logprobs, finish_reason=finish))
         return ChatCompletionResponse(
             id=self.id, created=self.created, model=self.model, choices=choices,
             usage=self.usage(outcome, prompt_tokens), prompt_logprobs=self._prompt_logprobs_json(outcome.prompt_logprobs),
         ).model_dump()
 
-    def _chunk(self, index: int, delta: dict[str, str], finish_reason: str | None = None, usage: Usage | None = None,
+    def _chunk(self, index: int, delta: dict[str, Any], finish_reason: str | None = None, usage: Usage | None = None,
                logprobs: lf.ChatLogprobs | None = None) -> str:
         choice = ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice], usage=usage).model_dump_json()

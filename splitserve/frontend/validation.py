@@ -36,11 +36,8 @@ UNSUPPORTED_COMPLETION: dict[str, Callable[[Any], bool]] = {
     "suffix": _falsy,
 }
 UNSUPPORTED_CHAT: dict[str, Callable[[Any], bool]] = {
-    "tools": _falsy,
     "functions": _falsy,
-    "tool_choice": _is(None, "none", "auto"),
     "function_call": _is(None, "none", "auto"),
-    "response_format": lambda v: v is None or v == {"type": "text"},
     "modalities": lambda v: v is None or v == ["text"],
     "audio": _is(None),
     "prediction": _is(None),
