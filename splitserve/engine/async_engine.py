@@ -190,7 +190,7 @@ class AsyncEngine:
             return None
         from splitserve.engine.guided import make_matcher  # the grammar library loads on first use
 
-        return make_matcher(params.guided, self.lm.tokenizer, self.lm.config.vocab_size)
+        return make_matcher(params.guided, self.lm.tokenizer, self.lm.config.vocab_size, self.lm.eos_token_ids)
 
     # --- public API ----------------------------------------------------------------------
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
