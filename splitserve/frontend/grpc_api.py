@@ -6,8 +6,8 @@ INVALID_ARGUMENT). The sampling fields beyond those (penalties, min_p, min_token
 token ids, logprobs, prompt_logprobs, n, guided) are taken from the request as they are, their token ids checked
 against the vocabulary. It runs the request with the caller's deadline (each hop gets the time left; an expired
 deadline is DEADLINE_EXCEEDED and aborts the work on every service; a call without a deadline gets none) and streams
-text deltas per choice (:mod:`.grpc_choices`: ``index``, logprobs, the prompt's logprobs on the first message; usage
-on the last message, once every choice has finished). A cancelled call closes the pipeline, which aborts the request
+text deltas per choice (:func:`.pipeline.generate_text`, as the HTTP API: ``index``, logprobs, the prompt's logprobs
+on the first message; usage on the last message, once every choice has finished). A cancelled call closes the pipeline, which aborts the request
 on the backend (the prefill and decode workers, or the colocated engine). No field of the request names a worker or
 a KV transfer endpoint; unknown fields are ignored by protobuf and never consulted. Strings that are not valid UTF-8
 never reach a handler (the strict decoder answers INVALID_ARGUMENT). Preparation runs in worker threads
@@ -29,7 +29,7 @@ from splitserve.errors import InvalidRequest, PdError
 from splitserve.frontend.backend import GenerationBackend
 from splitserve.frontend.errors import APIError
 from splitserve.frontend.offload import Offload
-from splitserve.frontend.grpc_choices import ChoiceDelta, generate_choices
+from splitserve.frontend.pipeline import TextDelta, generate_text
 from splitserve.frontend.prepare import PreparedRequest, RequestPreparer, SamplingRequest
 from splitserve.rpc.convert import (
     FINISH_TO_PROTO, extra_sampling_fields, logprobs_to_proto, prompt_logprobs_to_proto, sampling_fields,
@@ -47,7 +47,7 @@ def sampling_request(msg: common_pb2.SamplingParams, stop: list[str]) -> Samplin
     return SamplingRequest(**sampling_fields(msg, DEFAULT_MAX_TOKENS), stop=tuple(stop))
 
 
-def response_of(request_id: str, delta: ChoiceDelta) -> router_pb2.GenerateResponse:
+def response_of(request_id: str, delta: TextDelta) -> router_pb2.GenerateResponse:
     """One choice's delta as a GenerateResponse (usage left for the caller)."""
     msg = router_pb2.GenerateResponse(
         request_id=request_id, text=delta.text, token_ids=delta.token_ids, finish_reason=FINISH_TO_PROTO[delta.finish_reason],
@@ -110,7 +110,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             cached = 0
             open_choices = params.n
             deltas = observe_request(
-                generate_choices(self.backend, self.tokenizer, request_id, prompt_ids, params, prepared.stop, deadline),
+                generate_text(self.backend, self.tokenizer, request_id, prompt_ids, params, prepared.stop, deadline),
                 model=self.model_name, request_id=request_id, prompt_tokens=len(prompt_ids), params=params,
             )
             async with contextlib.aclosing(deltas):  # closed (aborting the request) even if this handler is dropped

@@ -1,4 +1,4 @@
-"""The gRPC front door's per-choice pipeline (splitserve.frontend.grpc_choices) over a scripted backend: each choice
+"""The per-choice pipeline both front doors use (splitserve.frontend.pipeline.generate_text) over a scripted backend: each choice
 has its own detokenizer and stop strings, logprobs are cut with the tokens, and the backend request is closed once
 every choice has ended."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 from splitserve.engine.logprobs import TokenLogprob
 from splitserve.engine.sampling import SamplingParams
 from splitserve.frontend.backend import TokenEvent
-from splitserve.frontend.grpc_choices import ChoiceDelta, generate_choices
+from splitserve.frontend.pipeline import TextDelta, generate_text
 
 
 class Scripted:
@@ -47,7 +47,7 @@ async def test_choices_stop_on_their_own_stop_strings_and_logprobs_are_cut(tok):
               TokenEvent([7], "stop", 0, index=1)]  # never read: every choice has ended
     backend = Scripted(events)
     params = SamplingParams(max_tokens=50, n=2, logprobs=0)
-    out = [d async for d in generate_choices(backend, tok, "r", [1], params, stop=["cat"])]
+    out = [d async for d in generate_text(backend, tok, "r", [1], params, stop=["cat"])]
     upto = next(k for k in range(1, len(a) + 1) if "cat" in tok.decode(a[:k]))  # tokens up to the stop string's end
     first = out[0]
     assert first.index == 0 and first.finish_reason == "stop" and first.prompt_logprobs == [None]
@@ -60,12 +60,12 @@ async def test_choices_stop_on_their_own_stop_strings_and_logprobs_are_cut(tok):
 
 async def test_a_stream_that_ends_early_aborts_the_open_choices(tok):
     backend = Scripted([TokenEvent([5], "stop", 0, index=1)])
-    out = [d async for d in generate_choices(backend, tok, "r", [1], SamplingParams(max_tokens=4, n=3))]
-    assert out == [ChoiceDelta(1, tok.decode([5]), [5], "stop"), ChoiceDelta(0, "", [], "abort"),
-                   ChoiceDelta(2, "", [], "abort")]
+    out = [d async for d in generate_text(backend, tok, "r", [1], SamplingParams(max_tokens=4, n=3))]
+    assert out == [TextDelta(tok.decode([5]), [5], "stop", index=1), TextDelta("", [], "abort", index=0),
+                   TextDelta("", [], "abort", index=2)]
 
 
 async def test_a_choice_overshooting_max_tokens_is_cut_to_length(tok):
     backend = Scripted([TokenEvent([5, 6, 7], None, 0, index=0, logprobs=[TokenLogprob(t, -1.0) for t in (5, 6, 7)])])
-    (d,) = [d async for d in generate_choices(backend, tok, "r", [1], SamplingParams(max_tokens=2, logprobs=0))]
+    (d,) = [d async for d in generate_text(backend, tok, "r", [1], SamplingParams(max_tokens=2, logprobs=0))]
     assert d.token_ids == [5, 6] and d.finish_reason == "length" and [x.token_id for x in d.logprobs] == [5, 6]
