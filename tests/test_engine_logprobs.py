@@ -140,7 +140,7 @@ def fake_guided(monkeypatch):
 
     EvenTokens.instances = []
     made = {"refuse_after": None}
-    monkeypatch.setattr(guided, "make_matcher", lambda spec, tokenizer, vocab: EvenTokens(made["refuse_after"]), raising=False)
+    monkeypatch.setattr(guided, "make_matcher", lambda spec, tokenizer, vocab, eos_token_ids=None: EvenTokens(made["refuse_after"]), raising=False)
     return made
 
 
