@@ -19,6 +19,8 @@ Kinds and the syntax each takes:
 - ``json_schema``: JSON Schema (draft 2020-12 subset llguidance implements: objects, arrays, enums, const,
   numbers with bounds, string lengths/patterns/formats, anyOf/oneOf, $ref/$defs). Compact output: no
   whitespace between tokens (``{"a":1,"b":[2,3]}``), so a small model cannot wander into endless whitespace.
+  Objects are closed (``additionalProperties: false`` unless the schema says otherwise: OpenAI's strict mode and
+  vLLM's default, see :mod:`.json_schema_strict`).
 - ``json_object``: any JSON object (``{"type": "object"}``).
 - ``regex``: the whole output matches the pattern (Rust ``regex`` syntax, like Python's for common patterns).
 - ``choice``: the output is exactly one of the strings (``spec`` = JSON list of strings).
@@ -43,6 +45,7 @@ import llguidance
 import numpy as np
 import torch
 
+from splitserve.engine.json_schema_strict import close_objects
 from splitserve.engine.guided_spec import GuidedSpec
 from splitserve.errors import InvalidRequest
 
@@ -119,7 +122,7 @@ def _grammar(spec: GuidedSpec) -> str:
             schema = json.loads(spec.spec)
             if not isinstance(schema, (dict, bool)):
                 raise InvalidRequest("json_schema must be a JSON object (a JSON Schema)")
-            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+            return llguidance.LLMatcher.grammar_from_json_schema(close_objects(schema), defaults=JSON_OPTIONS)
         if spec.kind == "json_object":
             return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
         if spec.kind == "regex":
