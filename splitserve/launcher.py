@@ -37,11 +37,16 @@ if TYPE_CHECKING:
 _PR_SET_PDEATHSIG = 1
 
 
+_PORTS = random.SystemRandom()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port that is free now, drawn at random below Linux's ephemeral range (32768+), so that the
-    kernel does not hand it to an outgoing connection before the service binds it."""
+    kernel does not hand it to an outgoing connection before the service binds it. Drawn from the OS's
+    entropy, not the ``random`` module's state: a test runner that reseeds ``random`` before every test
+    (pytest-randomly) would otherwise hand every test the same ports, colliding with a cluster still stopping."""
     for _ in range(200):
-        port = random.randrange(20000, 32000)
+        port = _PORTS.randrange(20000, 32000)
         with socket.socket() as s:
             try:
                 s.bind((host, port))
