@@ -3,7 +3,9 @@
 They cover nested objects, arrays (with ``minItems``/``maxItems``), enums (strings, numbers, mixed), integers and
 numbers with bounds, booleans, required and optional fields, ``const``, ``anyOf`` and ``$defs``/``$ref``. Free
 strings carry a ``maxLength`` and arrays a ``maxItems`` so that a 656K-parameter story model, constrained by the
-grammar, closes every value well within the test's token budget. Each is valid Draft 2020-12.
+grammar, closes every value well within the test's token budget; every object is closed (``additionalProperties:
+false``: an open object lets the model wander into extra keys). The one free-form ``number`` (weather_report) is
+bounded; a story model may otherwise keep writing fraction digits. Each is valid Draft 2020-12.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ SCHEMAS: dict[str, dict] = {
     "boolean_flag": _obj({"happy": {"type": "boolean"}}),
     "string_enum": _obj({"mood": {"type": "string", "enum": ["happy", "sad", "angry", "sleepy"]}}),
     "integer_enum": _obj({"stars": {"type": "integer", "enum": [1, 2, 3, 4, 5]}}),
-    "bounded_number": _obj({"score": {"type": "number", "minimum": 0, "maximum": 10}}),
+    "number_enum": _obj({"score": {"type": "number", "enum": [0.5, 2.25, 7.5]}}),
     "nested_object": _obj({"pet": _obj({"kind": {"type": "string", "enum": ["cat", "dog", "bird"]}, "name": NAME})}),
     "array_of_enums": _obj({"colors": {"type": "array", "items": COLOR, "minItems": 1, "maxItems": 3}}),
     "array_of_integers": _obj({"numbers": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9},
@@ -51,7 +53,7 @@ SCHEMAS: dict[str, dict] = {
     "event": _obj({"what": {"type": "string", "enum": ["party", "picnic", "game"]},
                    "day": {"type": "string", "enum": ["monday", "friday", "sunday"]},
                    "guests": {"type": "integer", "minimum": 0, "maximum": 10}, "outside": {"type": "boolean"},
-                   "host": _obj({"name": NAME}, closed=False)}),
+                   "host": _obj({"name": NAME, "helper": NAME}, required=["name"])}),
 }
 
 
