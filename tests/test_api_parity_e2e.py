@@ -31,6 +31,14 @@ def base_url(request):
     return request.getfixturevalue("colocated").base_url
 
 
+def metric_values(url: str) -> dict:
+    """Prometheus samples of one process: (name, sorted label items) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url, timeout=10).text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for f in text_string_to_metric_families(text) for s in f.samples}
+
+
 def approx(values):
     return pytest.approx(values, abs=TOL)
 
@@ -152,13 +160,26 @@ async def test_n4_temperature_0_gives_four_equal_greedy_choices(base_url, hf):
 
 
 async def test_n4_with_seed_is_reproducible_and_equal_across_deployments(cluster, colocated):
+    """n=4 with a seed: one prefill, one KV transfer; the same four texts again, colocated and streamed."""
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 24, "temperature": 1.0, "seed": 7, "n": 4}
 
     async def texts(url):
         choices = (await post(url, "/v1/completions", body))["choices"]
         return [c["text"] for c in sorted(choices, key=lambda c: c["index"])]
 
+    workers = {c.name: c.metrics for c in cluster[2].children if c.name in ("prefill-0", "decode-0", "router")}
+    before = {name: metric_values(url) for name, url in workers.items()}
     first = await texts(cluster[0])
+    after = {name: metric_values(url) for name, url in workers.items()}
+
+    def moved(service, name, **labels):
+        key = (name, tuple(sorted(labels.items())))
+        return after[service].get(key, 0.0) - before[service].get(key, 0.0)
+
+    # four choices, one prefill and one KV transfer
+    assert moved("router", "splitserve:disagg_decisions_total", decision="remote_prefill") == 1
+    assert moved("prefill-0", "splitserve:request_prefill_time_seconds_count") == 1
+    assert moved("decode-0", "splitserve:kv_transfer_seconds_count", direction="receive", transport="ucx") == 1
     assert await texts(cluster[0]) == first
     assert len(set(first)) > 1  # per-choice seeds (seed + index) sample different stories
     assert await texts(colocated.base_url) == first  # the prefill->decode handoff samples like one engine
