@@ -19,6 +19,7 @@ CLUSTER_MODULES = {
     "test_chaos_kvstore_store", "test_client_node", "test_deploy_netns", "test_e2e_disaggregated", "test_e2e_gguf",
     "test_e2e_kvstore", "test_e2e_kvstore_transfer", "test_e2e_openai_sdk", "test_e2e_router_routing", "test_e2e_up",
     "test_kvstore_processes", "test_kvstore_tls", "test_liveness", "test_telemetry_cluster",
+    "test_lm_eval", "test_structured_outputs_e2e", "test_api_parity_e2e",
 }
 PROCESS_MODULES = {
     "test_deploy_compose", "test_kvstore_block_hash", "test_liveness_units", "test_protos_current", "test_telemetry_config",
