@@ -17,13 +17,18 @@ def out_ids(tok: SimpleTokenizer) -> list[int]:
     return tok.encode(" there was a little girl", add_special_tokens=False)
 
 
-def text_of(tok: SimpleTokenizer, token_id: int) -> str:
-    return tok.hf.decode([token_id], skip_special_tokens=False)
+def text_of(tok: SimpleTokenizer, token_id: int, at_start: bool = False) -> str:
+    """The token's text in the middle of a text (after an anchor token "a", whose text is cut), or as a text's
+    first token (decoded alone): the pieces of a text then join to it."""
+    if at_start:
+        return tok.hf.decode([token_id], skip_special_tokens=False)
+    anchor = tok.hf.encode("a", add_special_tokens=False).ids[-1:]
+    return tok.hf.decode([*anchor, token_id], skip_special_tokens=False)[len(tok.hf.decode(anchor)):]
 
 
 def expected_completion_logprobs(tok, ids: list[int], k: int, first_null: bool = False) -> dict:
     """OpenAI's legacy logprobs object as the fake backend's logprobs make it (see fake_logprob)."""
-    tokens = [text_of(tok, t) for t in ids]
+    tokens = [text_of(tok, t, at_start=first_null and i == 0) for i, t in enumerate(ids)]  # first_null: echo
     token_logprobs, top_logprobs = [], []
     for i, t in enumerate(ids):
         if first_null and i == 0:
@@ -100,7 +105,7 @@ async def test_echo_with_max_tokens_0_scores_the_prompt_and_generates_nothing(to
         *chunks, usage_chunk = parse_sse(r)
         assert "".join(ch["choices"][0]["text"] for ch in chunks) == PROMPT
         tokens = [t for ch in chunks if ch["choices"][0]["logprobs"] for t in ch["choices"][0]["logprobs"]["tokens"]]
-        assert tokens == [text_of(tok, t) for t in prompt_ids]
+        assert tokens == [text_of(tok, t, at_start=i == 0) for i, t in enumerate(prompt_ids)]
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
         usage = usage_chunk["usage"]
     else:

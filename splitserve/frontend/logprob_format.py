@@ -82,7 +82,14 @@ def clamp(logprob: float) -> float:
 
 
 class TokenTexts:
-    """Token id -> its text (the tokenizer's decoding of that token alone, special tokens kept), memoized.
+    """Token id -> the text it adds in the middle of a text (special tokens kept), memoized.
+
+    A token is decoded after a fixed anchor token and the anchor's text is cut off: decoding a token alone lets
+    the decoder treat it as the start of a text (SentencePiece's Metaspace decoders strip the leading space there,
+    turning "▁a" into "a"), so the pieces of a completion would not join to its text. With the anchor, the pieces
+    of generated tokens join to exactly the generated text (OpenAI's ``text_offset`` arithmetic holds), as the
+    incremental detokenizer produces it. A byte-fallback token that is part of a multi-byte character still
+    shows as U+FFFD, as in vLLM.
 
     Args:
         tokenizer: a :class:`.backend.TokenizerLike` (its ``hf`` tokenizer decodes).
@@ -91,11 +98,22 @@ class TokenTexts:
     def __init__(self, tokenizer: Any) -> None:
         self._hf = tokenizer.hf
         self._cache: dict[int, str] = {}
+        ids = self._hf.encode("a", add_special_tokens=False).ids
+        self._anchor = ids[-1:] if ids else []
+        self._anchor_text = self._hf.decode(self._anchor, skip_special_tokens=False)
 
-    def __call__(self, token_id: int) -> str:
+    def __call__(self, token_id: int, at_start: bool = False) -> str:
+        """The token's text in the middle of a text, or (``at_start``) as the first token of a text (an echoed
+        prompt's first token: the decoder's start-of-text rules apply, as to the echoed prompt text)."""
+        if at_start:
+            return self._hf.decode([token_id], skip_special_tokens=False)
         text = self._cache.get(token_id)
         if text is None:
-            text = self._hf.decode([token_id], skip_special_tokens=False)
+            text = self._hf.decode([*self._anchor, token_id], skip_special_tokens=False)
+            if self._anchor_text and text.startswith(self._anchor_text):
+                text = text[len(self._anchor_text):]
+            else:  # a decoder that merges across the anchor: the token alone
+                text = self._hf.decode([token_id], skip_special_tokens=False)
             self._cache[token_id] = text
         return text
 
@@ -110,12 +128,14 @@ def require(entries: Sequence[Any] | None, count: int, what: str) -> Sequence[An
 
 def completion_logprobs(
     token_ids: Sequence[int], entries: Sequence[TokenLogprob | None], k: int, texts: TokenTexts, offset: int = 0,
+    starts_text: bool = False,
 ) -> CompletionLogprobs:
     """The completions ``logprobs`` object of ``token_ids`` (``entries`` aligned with them; None: no logprob,
-    the first echoed prompt token). ``offset``: text offset of the first token (a stream's earlier text)."""
+    the first echoed prompt token). ``offset``: text offset of the first token (a stream's earlier text);
+    ``starts_text``: the first token begins the text (echo), so it is decoded as a text's first token."""
     out = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
-    for token_id, entry in zip(token_ids, entries, strict=True):
-        token = texts(token_id)
+    for i, (token_id, entry) in enumerate(zip(token_ids, entries, strict=True)):
+        token = texts(token_id, at_start=starts_text and i == 0)
         out.tokens.append(token)
         out.text_offset.append(offset)
         offset += len(token)

@@ -201,7 +201,7 @@ class CompletionFormatter(_Formatter):
             entries += self._prompt_entries(prompt_logprobs)
         ids += token_ids
         entries += self._output_entries(token_ids, logprobs) if token_ids else []
-        return lf.completion_logprobs(ids, entries, self.spec.logprobs or 0, self.texts, offset)
+        return lf.completion_logprobs(ids, entries, self.spec.logprobs or 0, self.texts, offset, starts_text=echo)
 
     def _obj(self, choices: list[CompletionChoice], usage: Usage | None = None) -> CompletionResponse:
         return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage)
