@@ -83,8 +83,9 @@ def decode_run(lm, prompt: int, steps: int) -> dict:
             "context": prompt + steps // 2}
 
 
-def runner_run(lm, batch: int, prompt: int, steps: int, threads: int) -> float:
-    """Median seconds of one ``ModelRunner.execute`` decode step of ``batch`` sequences (after their prefill)."""
+def runner_run(lm, batch: int, prompt: int, steps: int, threads: int) -> tuple[float, float]:
+    """Median (wall, this thread's CPU) seconds of one ``ModelRunner.execute`` decode step of ``batch``
+    sequences (after their prefill)."""
     from splitserve.engine.runner import ModelRunner
     from splitserve.engine.sampling import SamplingParams
     from splitserve.engine.sequence import Sequence
@@ -102,12 +103,13 @@ def runner_run(lm, batch: int, prompt: int, steps: int, threads: int) -> float:
 
     for seq in seqs:
         step([seq])
-    wall = []
+    wall, cpu = [], []
     for _ in range(steps):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.thread_time()
         step(seqs)
         wall.append(time.perf_counter() - t)
-    return statistics.median(wall)
+        cpu.append(time.thread_time() - c)
+    return statistics.median(wall), statistics.median(cpu)
 
 
 def main() -> None:
@@ -122,16 +124,17 @@ def main() -> None:
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; torch {torch.__version__}, "
           f"{torch.backends.cpu.get_cpu_capability()}")
     if a.runner_batches:
-        print("| model | dtype | threads | batch | runner step ms | output tok/s |")
-        print("|---|---|---|---|---|---|")
+        print("| model | dtype | threads | batch | runner step ms (wall) | step ms (CPU, 1 thread) | output tok/s |")
+        print("|---|---|---|---|---|---|---|")
         for model in a.models.split(","):
             for dtype in a.dtypes.split(","):
                 lm = load_model(model, dtype=dtype)
                 for threads in (int(x) for x in a.threads.split(",")):
                     torch.set_num_threads(threads)
                     for batch in (int(x) for x in a.runner_batches.split(",")):
-                        t = runner_run(lm, batch, a.prompt, a.steps, threads)
-                        print(f"| {model} | {dtype} | {threads} | {batch} | {t * 1e3:.2f} | {batch / t:.0f} |", flush=True)
+                        t, c = runner_run(lm, batch, a.prompt, a.steps, threads)
+                        cpu = f"{c * 1e3:.2f}" if threads == 1 else "-"
+                        print(f"| {model} | {dtype} | {threads} | {batch} | {t * 1e3:.2f} | {cpu} | {batch / t:.0f} |", flush=True)
         return
     print("| model | dtype | threads | decode tok/s | step ms (wall) | step ms (CPU, 1 thread) | step MB | buffer read GB/s "
           "| read fraction | prefill tok/s |")
