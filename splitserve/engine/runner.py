@@ -13,7 +13,9 @@ from splitserve.model import AttentionMetadata, LoadedModel
 # Measured with synthetic:llama-25m fp32 on the 2-core AVX2 machine, 1 vs 2 threads (tokens/s): decode of 1
 # sequence 70-86 vs 7-36, of 4: 143-152 vs 15-27, of 8: 221-229 vs 66-251, of 16: 332 vs 353-366;
 # prefill of 512 tokens: 1064 vs 1867-1893. Small decode steps are mostly one-thread GEMVs and
-# per-op overheads that a second OpenMP thread only slows down.
+# per-op overheads that a second OpenMP thread only slows down. Re-measured with the step buffers on a loaded
+# machine (load 6-7, benchmarks/results/engine_compile_and_step_buffers.txt): 1 thread still won at batch 1
+# (46-72 vs 6-15 tokens/s) and at batch 16 (135-233 vs 34-68); no quiet moment to re-test 2 threads.
 PARALLEL_DECODE_MIN_SEQS = 16
 
 
