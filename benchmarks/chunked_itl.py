@@ -4,7 +4,8 @@ Drives ``AsyncEngine`` directly in this process (no HTTP server, no router: the 
 runner ``splitserve colocated`` uses, without the HTTP front door competing for the two cores). One
 closed-loop client keeps ``--concurrency`` requests in flight; every ``--document-every``-th request after the
 first ``--warm`` is a ~1,000-token document, the others ~130-token chat prompts; every request asks for
-``--output`` tokens (greedy, ignore_eos). The client timestamps every streamed token on the event loop: the
+``--output`` +- ``--output-spread`` tokens (greedy, ignore_eos; the spread keeps a closed loop from moving in
+lockstep waves). The client timestamps every streamed token on the event loop: the
 first gives TTFT, the gaps between consecutive ones the ITLs; ``splitserve.bench.metrics.summarize`` computes
 the percentiles, as for ``splitserve bench``.
 
@@ -94,7 +95,10 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=12)
     ap.add_argument("--document-every", type=int, default=4)
     ap.add_argument("--warm", type=int, default=4, help="interactive requests before the first document")
-    ap.add_argument("--output", type=int, default=128, help="output tokens of every request")
+    ap.add_argument("--output", type=int, default=128, help="mean output tokens of a request")
+    ap.add_argument("--output-spread", type=int, default=32,
+                    help="output lengths uniform in output +- spread (0: all equal; then a closed loop moves in waves: "
+                         "every request finishes in the same step and the next ones all arrive together)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads of prefill and mixed steps")
     ap.add_argument("--decode-threads", type=int, default=1, help="torch threads of small decode-only steps")
     ap.add_argument("--seed", type=int, default=0)
@@ -103,13 +107,13 @@ def main() -> None:
     lm = load_model(a.model, dtype=a.dtype)
     vocab = list(range(3, lm.config.vocab_size))
     specs = wl.synthetic_mixed(vocab, a.requests, a.seed, document_every=a.document_every, warm_interactive=a.warm,
-                               interactive_prompt=(120, 140), interactive_output=(a.output, a.output),
-                               document_prompt=(960, 1040), document_output=(a.output, a.output)).requests
+                               interactive_prompt=(120, 140), interactive_output=(a.output - a.output_spread, a.output + a.output_spread),
+                               document_prompt=(960, 1040), document_output=(a.output - a.output_spread, a.output + a.output_spread)).requests
     unchunked = EngineConfig(kv_cache_mb=512, dtype=a.dtype, decode_threads=a.decode_threads)
     chunked = EngineConfig(kv_cache_mb=512, dtype=a.dtype, decode_threads=a.decode_threads, enable_chunked_prefill=True,
                            max_num_batched_tokens=a.budget)
     print(f"{a.model} {a.dtype}, {a.requests} requests at concurrency {a.concurrency}, every {a.document_every}th a "
-          f"~1,000-token document (960-1040), others 120-140 tokens, {a.output} output tokens each; threads "
+          f"~1,000-token document (960-1040), others 120-140 tokens, {a.output - a.output_spread}-{a.output + a.output_spread} output tokens; threads "
           f"{a.threads} (decode-only steps {a.decode_threads}); chunked budget {chunked.token_budget(lm.max_model_len)} "
           f"tokens/step; load average at start {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     print("| run | output tok/s | TTFT p50 ms | ITL p50 ms | ITL p90 ms | ITL p99 ms | ITL max ms | steps | duration s | load |")

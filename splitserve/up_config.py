@@ -185,7 +185,7 @@ def parse(argv: list[str] | None = None) -> UpConfig:
                     help="workers' most sequences in one batch (PD_MAX_NUM_SEQS)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=env_int("PD_MAX_NUM_BATCHED_TOKENS", 0),
                     help="workers' prompt tokens per prefill batch; with --enable-chunked-prefill, tokens per step "
-                         "(PD_MAX_NUM_BATCHED_TOKENS; 0: the engine's default, 4096 or 256 with chunking)")
+                         "(PD_MAX_NUM_BATCHED_TOKENS; 0: the engine's default, 4096 or 512 with chunking)")
     ap.add_argument("--enable-chunked-prefill", action="store_true", default=env_bool("PD_ENABLE_CHUNKED_PREFILL"),
                     help="workers mix running decodes and prompt chunks in each step (PD_ENABLE_CHUNKED_PREFILL)")
     ap.add_argument("--prefill-cpus", default=env_str("PD_PREFILL_CPUS", ""),

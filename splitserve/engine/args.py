@@ -28,7 +28,7 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-num-seqs", type=int, default=env_int("PD_MAX_NUM_SEQS", 64), help="most sequences in one batch")
     ap.add_argument("--max-num-batched-tokens", type=int, default=env_int("PD_MAX_NUM_BATCHED_TOKENS", 0),
                     help="prompt tokens per prefill batch (0: 4096, at least --max-model-len); with "
-                         "--enable-chunked-prefill, tokens per step, running decodes included (0: 256, measured on a "
+                         "--enable-chunked-prefill, tokens per step, running decodes included (0: 512, measured on a "
                          "2-core CPU)")
     ap.add_argument("--enable-chunked-prefill", action="store_true",
                     default=env_bool("PD_ENABLE_CHUNKED_PREFILL"),

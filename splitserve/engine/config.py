@@ -8,8 +8,8 @@ from splitserve.dtypes import DTYPE_CHOICES
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 4096  # unchunked: prompt tokens per prefill batch (raised to max_model_len)
 # Chunked: tokens per step (decodes + prompt chunk). Measured with benchmarks/chunked_itl.py on the 2-core
-# machine (synthetic:llama-25m fp32): see benchmarks/results/chunked_itl.txt.
-DEFAULT_CHUNKED_BUDGET = 256
+# machine (synthetic:llama-25m fp32): see benchmarks/results/chunked_itl.md.
+DEFAULT_CHUNKED_BUDGET = 512
 
 
 @dataclass(frozen=True, slots=True)
