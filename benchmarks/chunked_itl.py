@@ -113,7 +113,8 @@ def main() -> None:
     chunked = EngineConfig(kv_cache_mb=512, dtype=a.dtype, decode_threads=a.decode_threads, enable_chunked_prefill=True,
                            max_num_batched_tokens=a.budget)
     print(f"{a.model} {a.dtype}, {a.requests} requests at concurrency {a.concurrency}, every {a.document_every}th a "
-          f"~1,000-token document (960-1040), others 120-140 tokens, {a.output - a.output_spread}-{a.output + a.output_spread} output tokens; threads "
+          f"~1,000-token document (960-1040), others 120-140 tokens, "
+          f"{a.output - a.output_spread}-{a.output + a.output_spread} output tokens; threads "
           f"{a.threads} (decode-only steps {a.decode_threads}); chunked budget {chunked.token_budget(lm.max_model_len)} "
           f"tokens/step; load average at start {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     print("| run | output tok/s | TTFT p50 ms | ITL p50 ms | ITL p90 ms | ITL p99 ms | ITL max ms | steps | duration s | load |")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from splitserve.engine.sampler import SampleRow, prompt_logprobs, sample
