@@ -8,12 +8,15 @@ read (every weight but the embedding table, plus the KV context) and the fractio
 ``torch.sum`` reads a buffer of that many bytes in the same process (``read fraction``; 1.0 = decode moves
 weights as fast as the machine reads a buffer of their size; weights that fit in L3 read faster than DRAM).
 
+``--runner-batches 1,16`` instead times whole engine decode steps of that many sequences through
+``ModelRunner.execute`` (step inputs, forward, greedy sampling; no scheduler), reported as tokens/s.
+
 Before/after comparisons: run the same command with ``PYTHONPATH=<another checkout>`` (the script uses only
-the public ``load_model`` / ``AttentionMetadata`` API). Numbers from a shared machine are noisy: compare
+the public ``load_model`` / ``AttentionMetadata`` / ``ModelRunner`` / ``Sequence`` API). Numbers from a shared machine are noisy: compare
 ratios from one run, and re-measure on a quiet machine.
 
     .venv/bin/python benchmarks/engine_decode.py [--models synthetic:llama-25m,models/TinyStories-656K]
-        [--dtypes float32,bfloat16] [--threads 1,2] [--prompt 128] [--steps 64]
+        [--dtypes float32,bfloat16] [--threads 1,2] [--prompt 128] [--steps 64] [--runner-batches 1,16]
 """
 
 from __future__ import annotations
@@ -80,6 +83,35 @@ def decode_run(lm, prompt: int, steps: int) -> dict:
             "context": prompt + steps // 2}
 
 
+def runner_run(lm, batch: int, prompt: int, steps: int, threads: int) -> tuple[float, float]:
+    """Median (wall, this thread's CPU) seconds of one ``ModelRunner.execute`` decode step of ``batch``
+    sequences (after their prefill)."""
+    from splitserve.engine.runner import ModelRunner
+    from splitserve.engine.sampling import SamplingParams
+    from splitserve.engine.sequence import Sequence
+
+    per_seq = -(-(prompt + steps + 2) // BS)
+    runner = ModelRunner(lm, lm.model.allocate_kv_cache(batch * per_seq, BS), BS, threads)
+    params = SamplingParams(max_tokens=steps + 2, temperature=0.0)
+    seqs = [Sequence(f"r{i}", [(17 * j + i) % 500 + 3 for j in range(prompt)], params,
+                     block_table=list(range(i * per_seq, (i + 1) * per_seq))) for i in range(batch)]
+
+    def step(group: list) -> None:
+        for seq, tok in zip(group, runner.execute(group)):
+            seq.num_computed_tokens += seq.num_step_tokens
+            seq.output_token_ids.append(tok)
+
+    for seq in seqs:
+        step([seq])
+    wall, cpu = [], []
+    for _ in range(steps):
+        t, c = time.perf_counter(), time.thread_time()
+        step(seqs)
+        wall.append(time.perf_counter() - t)
+        cpu.append(time.thread_time() - c)
+    return statistics.median(wall), statistics.median(cpu)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="synthetic:llama-25m,models/TinyStories-656K")
@@ -87,9 +119,23 @@ def main() -> None:
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--runner-batches", default="", help="time ModelRunner.execute decode steps of these batch sizes")
     a = ap.parse_args()
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; torch {torch.__version__}, "
           f"{torch.backends.cpu.get_cpu_capability()}")
+    if a.runner_batches:
+        print("| model | dtype | threads | batch | runner step ms (wall) | step ms (CPU, 1 thread) | output tok/s |")
+        print("|---|---|---|---|---|---|---|")
+        for model in a.models.split(","):
+            for dtype in a.dtypes.split(","):
+                lm = load_model(model, dtype=dtype)
+                for threads in (int(x) for x in a.threads.split(",")):
+                    torch.set_num_threads(threads)
+                    for batch in (int(x) for x in a.runner_batches.split(",")):
+                        t, c = runner_run(lm, batch, a.prompt, a.steps, threads)
+                        cpu = f"{c * 1e3:.2f}" if threads == 1 else "-"
+                        print(f"| {model} | {dtype} | {threads} | {batch} | {t * 1e3:.2f} | {cpu} | {batch / t:.0f} |", flush=True)
+        return
     print("| model | dtype | threads | decode tok/s | step ms (wall) | step ms (CPU, 1 thread) | step MB | buffer read GB/s "
           "| read fraction | prefill tok/s |")
     print("|---|---|---|---|---|---|---|---|---|---|")

@@ -72,7 +72,7 @@ class UpConfig:
     prefill_cpus: str = ""
     decode_cpus: str = ""
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 4096
+    max_num_batched_tokens: int = 0  # 0: the engine's default for the chunking mode
     enable_chunked_prefill: bool = False
 
     def __post_init__(self) -> None:
@@ -91,9 +91,9 @@ class UpConfig:
         if not self.shutdown_grace_s >= 0:
             raise ValueError(f"--shutdown-grace-s must be >= 0, got {self.shutdown_grace_s}")
         check_dtype_choice(self.dtype)
-        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
-            raise ValueError(f"--max-num-seqs and --max-num-batched-tokens must be >= 1, got {self.max_num_seqs} and "
-                             f"{self.max_num_batched_tokens}")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 0:
+            raise ValueError(f"--max-num-seqs must be >= 1 and --max-num-batched-tokens >= 0 (0: the default), got "
+                             f"{self.max_num_seqs} and {self.max_num_batched_tokens}")
         if self.max_model_len < 0:
             raise ValueError(f"--max-model-len must be >= 0 (0: the model's context length), got {self.max_model_len}")
         for flag, cpus in (("--prefill-cpus", self.prefill_cpus), ("--decode-cpus", self.decode_cpus)):
@@ -183,9 +183,9 @@ def parse(argv: list[str] | None = None) -> UpConfig:
                     help="workers' context limit in tokens, prompt + output (PD_MAX_MODEL_LEN; 0: the model's)")
     ap.add_argument("--max-num-seqs", type=int, default=env_int("PD_MAX_NUM_SEQS", 64),
                     help="workers' most sequences in one batch (PD_MAX_NUM_SEQS)")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=env_int("PD_MAX_NUM_BATCHED_TOKENS", 4096),
+    ap.add_argument("--max-num-batched-tokens", type=int, default=env_int("PD_MAX_NUM_BATCHED_TOKENS", 0),
                     help="workers' prompt tokens per prefill batch; with --enable-chunked-prefill, tokens per step "
-                         "(PD_MAX_NUM_BATCHED_TOKENS)")
+                         "(PD_MAX_NUM_BATCHED_TOKENS; 0: the engine's default, 4096 or 512 with chunking)")
     ap.add_argument("--enable-chunked-prefill", action="store_true", default=env_bool("PD_ENABLE_CHUNKED_PREFILL"),
                     help="workers mix running decodes and prompt chunks in each step (PD_ENABLE_CHUNKED_PREFILL)")
     ap.add_argument("--prefill-cpus", default=env_str("PD_PREFILL_CPUS", ""),

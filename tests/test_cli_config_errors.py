@@ -24,7 +24,7 @@ CASES = [
     (["prefill", "--data-port", "65536"], "--data-port must be a TCP port"),
     (["prefill", "--kv-lease-s", "0"], "kv_lease_s must be > 0"),
     (["prefill", "--data-advertise", "nohost"], "data_advertise"),
-    (["prefill", "--max-num-batched-tokens", "0"], "--max-num-batched-tokens must be >= 1, got 0"),
+    (["prefill", "--max-num-batched-tokens", "-1"], "--max-num-batched-tokens must be >= 0 (0: the default for the chunking mode), got -1"),
     (["router", "--disagg", "foo"], "--disagg must be 'always', 'auto' or a token count, got 'foo'"),
     (["router", "--http-port", "99999"], "--http-port must be a TCP port"),
     (["router", "--grpc-port", "-5"], "--grpc-port must be a TCP port"),

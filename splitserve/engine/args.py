@@ -26,8 +26,10 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
                     help="longest wait for free KV blocks before RESOURCE_EXHAUSTED (inf = no bound; a deadline or "
                          "cancel still ends the wait)")
     ap.add_argument("--max-num-seqs", type=int, default=env_int("PD_MAX_NUM_SEQS", 64), help="most sequences in one batch")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=env_int("PD_MAX_NUM_BATCHED_TOKENS", 4096),
-                    help="prompt tokens per prefill batch; with --enable-chunked-prefill, tokens per step (budget)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=env_int("PD_MAX_NUM_BATCHED_TOKENS", 0),
+                    help="prompt tokens per prefill batch (0: 4096, at least --max-model-len); with "
+                         "--enable-chunked-prefill, tokens per step, running decodes included (0: 512, measured on a "
+                         "2-core CPU)")
     ap.add_argument("--enable-chunked-prefill", action="store_true",
                     default=env_bool("PD_ENABLE_CHUNKED_PREFILL"),
                     help="mix running decodes and prompt chunks in each step (Sarathi-style token budget)")

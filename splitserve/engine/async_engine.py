@@ -70,7 +70,7 @@ class AsyncEngine:
         sched = Scheduler(
             SchedulerConfig(
                 config.block_size, config.max_num_seqs,
-                config.max_num_batched_tokens if config.enable_chunked_prefill else max(config.max_num_batched_tokens, self.max_model_len),
+                config.token_budget(self.max_model_len),
                 self.max_model_len, chunked_prefill=config.enable_chunked_prefill,
             ),
             self.block_manager,

@@ -6,6 +6,11 @@ from dataclasses import dataclass
 
 from splitserve.dtypes import DTYPE_CHOICES
 
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 4096  # unchunked: prompt tokens per prefill batch (raised to max_model_len)
+# Chunked: tokens per step (decodes + prompt chunk). Measured with benchmarks/chunked_itl.py on the 2-core
+# machine (synthetic:llama-25m fp32): see benchmarks/results/chunked_itl.md.
+DEFAULT_CHUNKED_BUDGET = 512
+
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
@@ -14,7 +19,7 @@ class EngineConfig:
     block_size: int = 16  # tokens per KV block
     kv_cache_mb: int = 256  # size of the preallocated KV pool, MiB
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 4096  # prompt tokens per prefill batch; with chunking, tokens per step
+    max_num_batched_tokens: int = 0  # prompt tokens per prefill batch; with chunking, tokens per step; 0 = default
     enable_chunked_prefill: bool = False  # Sarathi-style: decodes + prompt chunks share each step
     num_blocks: int = 0  # KV pool size in blocks; 0 = as many as kv_cache_mb holds
     max_queue_len: int = 1024  # requests + block allocations waiting for KV blocks / a batch slot; more are refused
@@ -29,7 +34,8 @@ class EngineConfig:
             ("--block-size", self.block_size, self.block_size >= 1, ">= 1"),
             ("--kv-cache-mb", self.kv_cache_mb, self.kv_cache_mb >= 1, ">= 1"),
             ("--max-num-seqs", self.max_num_seqs, self.max_num_seqs >= 1, ">= 1"),
-            ("--max-num-batched-tokens", self.max_num_batched_tokens, self.max_num_batched_tokens >= 1, ">= 1"),
+            ("--max-num-batched-tokens", self.max_num_batched_tokens, self.max_num_batched_tokens >= 0,
+             ">= 0 (0: the default for the chunking mode)"),
             ("--num-blocks", self.num_blocks, self.num_blocks >= 0, ">= 0 (0: as many as --kv-cache-mb holds)"),
             ("--max-queue-len", self.max_queue_len, self.max_queue_len >= 1, ">= 1"),
             ("--max-queue-wait-s", self.max_queue_wait_s, self.max_queue_wait_s > 0, "> 0"),
@@ -39,3 +45,11 @@ class EngineConfig:
         ):
             if not ok:
                 raise ValueError(f"{flag} must be {want}, got {value}")
+
+    def token_budget(self, max_model_len: int) -> int:
+        """Tokens one step may feed: with chunked prefill ``max_num_batched_tokens`` (0: DEFAULT_CHUNKED_BUDGET),
+        every running decode included; without, prompt tokens per prefill batch (0: DEFAULT_MAX_NUM_BATCHED_TOKENS),
+        at least ``max_model_len`` so that every prompt fits one batch."""
+        if self.enable_chunked_prefill:
+            return self.max_num_batched_tokens or DEFAULT_CHUNKED_BUDGET
+        return max(self.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS, max_model_len)

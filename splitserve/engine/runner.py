@@ -12,7 +12,9 @@ from splitserve.model import AttentionMetadata, LoadedModel
 # Measured with synthetic:llama-25m fp32 on the 2-core AVX2 machine, 1 vs 2 threads (tokens/s): decode of 1
 # sequence 70-86 vs 7-36, of 4: 143-152 vs 15-27, of 8: 221-229 vs 66-251, of 16: 332 vs 353-366;
 # prefill of 512 tokens: 1064 vs 1867-1893. Small decode steps are mostly one-thread GEMVs and
-# per-op overheads that a second OpenMP thread only slows down.
+# per-op overheads that a second OpenMP thread only slows down. Re-measured with the step buffers on a loaded
+# machine (load 6-7, benchmarks/results/engine_compile_and_step_buffers.txt): 1 thread still won at batch 1
+# (46-72 vs 6-15 tokens/s) and at batch 16 (135-233 vs 34-68); no quiet moment to re-test 2 threads.
 PARALLEL_DECODE_MIN_SEQS = 16
 
 
@@ -31,6 +33,7 @@ class ModelRunner:
         self.block_size = block_size
         self.prefill_threads = torch.get_num_threads()
         self.decode_threads = min(decode_threads, self.prefill_threads) or self.prefill_threads
+        self._buffers = StepBuffers()
 
     def threads_for(self, num_tokens: int, num_seqs: int) -> int:
         """Torch threads of a step feeding ``num_tokens`` tokens of ``num_seqs`` sequences (see the class doc)."""
@@ -53,14 +56,19 @@ class ModelRunner:
         for seq in seqs:
             start = seq.num_computed_tokens
             end = start + seq.num_step_tokens
-            input_ids += seq.token_ids[start:end]
-            positions += range(start, end)
+            input_ids += _token_slice(seq, start, end)
             table = seq.block_table
-            slot_mapping += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            if end - start == 1:  # decode
+                positions.append(start)
+                slot_mapping.append(table[start // bs] * bs + start % bs)
+            else:
+                positions += range(start, end)
+                slot_mapping += [table[p // bs] * bs + p % bs for p in range(start, end)]
             query_lens.append(end - start)
             seq_lens.append(end)
+        ids_t, pos_t, slots_t = self._buffers.fill(input_ids, positions, slot_mapping)
         attn = AttentionMetadata(
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long),
+            slot_mapping=slots_t,
             query_lens=query_lens,
             seq_lens=seq_lens,
             block_tables=[seq.block_table for seq in seqs],
@@ -80,8 +88,8 @@ class ModelRunner:
             logits_indices = torch.tensor(logits_indices, dtype=torch.long)
         with torch.inference_mode():
             logits = self.lm.model(
-                torch.tensor(input_ids, dtype=torch.long),
-                torch.tensor(positions, dtype=torch.long),
+                ids_t,
+                pos_t,
                 self.kv_cache,
                 attn,
                 logits_indices,
@@ -127,6 +135,41 @@ class ModelRunner:
         if src:
             with torch.inference_mode():
                 self.kv_cache[torch.tensor(dst, dtype=torch.long)] = self.kv_cache[torch.tensor(src, dtype=torch.long)]
+
+
+class StepBuffers:
+    """Preallocated int64 step inputs ``[capacity]`` (input_ids, positions, slot_mapping), written through numpy
+    views, so a step allocates no new input tensors (capacity doubles when a step feeds more tokens).
+    ``fill`` returns ``[T]`` views that are valid until the next ``fill``: the model must not keep them."""
+
+    def __init__(self, capacity: int = 256) -> None:
+        self._alloc(capacity)
+
+    def _alloc(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._t = torch.zeros(3, capacity, dtype=torch.long)
+        self._np = self._t.numpy()
+
+    def fill(self, input_ids: list[int], positions: list[int], slot_mapping: list[int]) -> tuple[torch.Tensor, ...]:
+        """Copy the three equal-length lists in; returns (input_ids, positions, slot_mapping), each int64 ``[T]``."""
+        n = len(input_ids)
+        if n > self.capacity:
+            self._alloc(1 << (n - 1).bit_length())
+        a = self._np
+        a[0, :n] = input_ids
+        a[1, :n] = positions
+        a[2, :n] = slot_mapping
+        return self._t[0, :n], self._t[1, :n], self._t[2, :n]
+
+
+def _token_slice(seq: Sequence, start: int, end: int) -> list[int]:
+    """``seq.token_ids[start:end]`` without building prompt + outputs (a decode step reads one token)."""
+    prompt, n = seq.prompt_token_ids, len(seq.prompt_token_ids)
+    if end <= n:
+        return prompt[start:end]
+    if start >= n:
+        return seq.output_token_ids[start - n : end - n]
+    return prompt[start:] + seq.output_token_ids[: end - n]
 
 
 def _wants_prompt_logprobs(seq: Sequence) -> bool:

@@ -6,13 +6,16 @@ first, as in vLLM's v0 scheduler and nano-vllm; new requests therefore join the 
 between steps and finished ones leave and free their KV blocks. When the KV pool runs out during
 decode the most recently admitted request is preempted (blocks freed, recomputed later).
 
-Chunked prefill (``chunked_prefill=True``, Sarathi-Serve / vLLM v1 style): every step has a budget
-of ``max_num_batched_tokens`` tokens. Running requests come first (one token per decode, then the
-next chunk of each partly prefilled prompt), then waiting requests are admitted with a chunk of their prompt
-as long as budget is left. A long prompt therefore shares each step with the running decodes
-instead of stalling them for its whole prefill. KV blocks for the whole prompt are reserved at
-admission, as in the unchunked path, so a chunked prompt never has to be preempted for its own
-blocks. A step that ends a prompt's last chunk samples its first token; earlier chunks sample nothing.
+Chunked prefill (``chunked_prefill=True``, Sarathi-Serve's stall-free batching): every step carries
+every running decode (one token each; a decode is never left out for a prompt) plus prompt chunks
+filling the rest of the ``max_num_batched_tokens`` budget: first the next chunk of the prompt already
+being prefilled, then waiting prompts in FCFS order. Only the last prompt of a step can stop short of
+its end, so at most one prompt is partly prefilled at a time. A long prompt therefore shares each
+step with the running decodes instead of stalling them for its whole prefill, and a step's new
+tokens never exceed the budget unless the running decodes alone do. KV blocks for the whole prompt
+are reserved at admission, as in the unchunked path, so a chunked prompt never has to be preempted
+for its own blocks. A step that ends a prompt's last chunk samples its first token; earlier chunks
+sample nothing.
 
 Waiting requests are admitted in FIFO order as long as their blocks are free; one that does not fit waits
 (blocks held elsewhere come back with a free: see ``splitserve.engine.admission``). Admissions leave
@@ -128,17 +131,25 @@ class Scheduler:
         return True
 
     def _schedule_chunked(self) -> tuple[list[Sequence], bool]:
-        budget = self.config.max_num_batched_tokens
+        decodes = [s for s in self.running if s.num_new_tokens == 1]
+        prompts = [s for s in self.running if s.num_new_tokens > 1]  # the partly prefilled prompt (FCFS order)
         scheduled: list[Sequence] = []
-        pending = sorted(self.running, key=lambda s: s.num_new_tokens > 1)  # decodes first, then prompt chunks
-        while pending and budget > 0:
+        pending = decodes + prompts  # _grow_or_preempt preempts from the end: the prompt chunk before any decode
+        while pending:
             seq = pending.pop(0)
-            n = min(seq.num_new_tokens, budget)
-            if not self._grow_or_preempt(seq, pending):
-                continue
-            seq.num_scheduled_tokens = n
-            scheduled.append(seq)
-            budget -= n
+            if self._grow_or_preempt(seq, pending):
+                seq.num_scheduled_tokens = 0
+                scheduled.append(seq)
+        budget = self.config.max_num_batched_tokens - sum(s.num_new_tokens == 1 for s in scheduled)
+        chunks: list[Sequence] = []
+        for seq in scheduled:
+            if seq.num_new_tokens > 1:
+                if budget <= 0:
+                    continue  # no room left after the decodes: this prompt waits (its blocks stay reserved)
+                seq.num_scheduled_tokens = min(seq.num_new_tokens, budget)
+                budget -= seq.num_scheduled_tokens
+            chunks.append(seq)
+        scheduled = chunks
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             if not self._can_admit(seq):

@@ -63,12 +63,15 @@ class RotaryEmbedding(nn.Module):
         self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def cos_sin(self, positions: torch.Tensor, max_position: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: int ``[T]``, all below ``max_position`` -> (cos, sin), each ``[T, 1, head_dim]`` in
-        ``dtype``; the same values as ``forward`` (computed in float32, then cast)."""
+        """positions: int ``[T]``, all below ``max_position`` -> (cos, signed_sin), each ``[T, 1, head_dim]`` in
+        ``dtype``: ``forward``'s values (computed in float32, then cast) with the first half of sin negated,
+        the form ``apply_rope_`` takes."""
         table = self._tables.get(dtype)
         if table is None or table[0].shape[0] < max_position:
             n = max(256, 1 << (max_position - 1).bit_length())
-            table = self.forward(torch.arange(n, device=self.inv_freq.device), dtype)
+            cos, sin = self.forward(torch.arange(n, device=self.inv_freq.device), dtype)
+            half = sin.shape[-1] // 2
+            table = (cos, torch.cat((-sin[:, :half], sin[:, half:]), dim=-1))
             self._tables[dtype] = table
         return table[0][positions].unsqueeze(1), table[1][positions].unsqueeze(1)
 
@@ -84,11 +87,12 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """Rotate x ``[T, H, D]`` in place (a view into the fused qkv output); cos/sin: ``[T, 1, D]``."""
-    half = x.shape[-1] // 2
-    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    x.mul_(cos).addcmul_(rot, sin)
+def apply_rope_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> None:
+    """Rotate x ``[T, H, D]`` in place (a view into the fused qkv output); cos/signed_sin: ``[T, 1, D]`` from
+    ``RotaryEmbedding.cos_sin`` (sin with its first half negated). ``x * cos + roll(x, D/2) * signed_sin`` is
+    bit-identical to ``apply_rope``'s ``x * cos + rotate_half(x) * sin`` in three torch calls instead of six."""
+    rot = x.roll(x.shape[-1] // 2, -1)
+    x.mul_(cos).addcmul_(rot, signed_sin)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
