@@ -143,8 +143,8 @@ async def test_layout_mismatch_is_failed_precondition(cluster, story_ids):
 async def test_router_grpc_rejects_bad_input(cluster):
     _, router_grpc, _ = cluster
     async with RouterClient(router_grpc) as client:
-        with pytest.raises(grpc.aio.AioRpcError) as err:
-            async for _ in client.generate("", max_tokens=4):
+        with pytest.raises(grpc.aio.AioRpcError) as err:  # ("" is BOS alone on this model: a valid prompt)
+            async for _ in client.generate([], max_tokens=4):
                 pass
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         with pytest.raises(grpc.aio.AioRpcError) as err:
