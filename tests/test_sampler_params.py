@@ -107,10 +107,13 @@ def test_min_tokens_yields_to_a_constraint_that_only_admits_eos():
     assert sample(LOGITS[:1], [row(p)])[0].token_id == 11
 
 
-def test_constraints_that_leave_nothing_raise():
+def test_constraints_that_leave_nothing_fail_their_row_only():
     p = SamplingParams(allowed_token_ids=(3,), bad_words_token_ids=((3,),))
     with pytest.raises(ValueError, match="no possible token"):
-        sample(LOGITS[:1], [row(p)])
+        process_row(LOGITS[0], row(p))
+    bad, good = sample(LOGITS[:2], [row(p), row(SamplingParams(temperature=0))])
+    assert "no possible token" in bad.error and bad.logprob is None
+    assert good.error is None and good.token_id == int(LOGITS[1].argmax())
 
 
 @pytest.mark.parametrize("kw", [

@@ -27,7 +27,7 @@ from splitserve.engine.runner import ModelRunner
 from splitserve.engine.sampler import SampleResult
 from splitserve.engine.scheduler import Scheduler
 from splitserve.engine.sequence import Sequence, SeqMode
-from splitserve.errors import PdError, WorkerUnavailable
+from splitserve.errors import InvalidRequest, PdError, WorkerUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -233,10 +233,11 @@ class EngineCore:
         self.num_steps += 1
         self.num_prefill_tokens += num_prefill
         self.num_decode_tokens += num_decode
-        rejected = self._advance_matchers(seqs, token_ids)
-        if rejected:
-            keep = [i for i, s in enumerate(seqs) if s.request_id not in rejected]
-            seqs, token_ids = [seqs[i] for i in keep], [token_ids[i] for i in keep]
+        for reject in (self._fail_unsampleable, self._advance_matchers):  # failed requests leave the step
+            rejected = reject(seqs, token_ids)
+            if rejected:
+                keep = [i for i, s in enumerate(seqs) if s.request_id not in rejected]
+                seqs, token_ids = [seqs[i] for i in keep], [token_ids[i] for i in keep]
         sampled = [(s, t) for s, t in zip(seqs, token_ids) if not s.is_partial_prefill]  # chunks sample nothing
         finished = {id(s) for s in self.scheduler.postprocess(seqs, token_ids)}
         outputs = []
@@ -255,6 +256,15 @@ class EngineCore:
             outputs.append(out)
         self._emit(outputs)
         return True
+
+    def _fail_unsampleable(self, seqs: list[Sequence], token_ids: list[int]) -> set[str]:
+        """Fail (InvalidRequest) the requests whose sampling constraints left no possible token this step (e.g.
+        ``allowed_token_ids`` outside a grammar); returns their request_ids. The rest of the batch goes on."""
+        bad = {s.request_id: (s, r.error) for s in seqs for r in (s.step_results or ()) if r.error is not None}
+        for seq, error in bad.values():
+            logger.info("request %s: %s", seq.request_id, error)
+            self._fail([seq], InvalidRequest(error))
+        return set(bad)
 
     def _advance_matchers(self, seqs: list[Sequence], token_ids: list[int]) -> set[str]:
         """Advance each sampled sequence's grammar matcher over its token; returns the request_ids whose matcher

@@ -63,10 +63,12 @@ class SampleRow:
 
 @dataclass(frozen=True, slots=True)
 class SampleResult:
-    """The chosen token and, when the request asked for ``logprobs``, its :class:`TokenLogprob`."""
+    """The chosen token and, when the request asked for ``logprobs``, its :class:`TokenLogprob`; ``error`` is set
+    (and ``token_id`` meaningless) when the row's constraints leave no possible token: that request fails alone."""
 
     token_id: int
     logprob: TokenLogprob | None = None
+    error: str | None = None
 
 
 def _generator(seed: int, output_index: int) -> torch.Generator:
@@ -130,24 +132,33 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[SampleResult]:
         rows: one :class:`SampleRow` per logits row.
 
     Returns:
-        ``num_seqs`` :class:`SampleResult`; ``logprob`` is set for rows whose ``params.logprobs`` is not None.
+        ``num_seqs`` :class:`SampleResult`; ``logprob`` is set for rows whose ``params.logprobs`` is not None;
+        ``error`` for a row whose constraints leave no possible token (the other rows are sampled as usual).
 
     Raises:
-        ValueError: when ``len(rows)`` differs from the number of logits rows, or a row's constraints leave
-            no possible token.
+        ValueError: when ``len(rows)`` differs from the number of logits rows.
     """
     if len(rows) != logits.shape[0]:
         raise ValueError(f"sample got {logits.shape[0]} logits rows for {len(rows)} sample rows")
-    processed = {i: process_row(logits[i], row) for i, row in enumerate(rows) if row.needs_processing}
+    processed: dict[int, torch.Tensor] = {}
+    errors: dict[int, str] = {}
+    for i, row in enumerate(rows):
+        if row.needs_processing:
+            try:
+                processed[i] = process_row(logits[i], row)
+            except ValueError as exc:  # this request's constraints contradict each other: it alone fails
+                errors[i] = str(exc)
     tokens = torch.argmax(logits, dim=-1).tolist()
     for i, row in enumerate(rows):
+        if i in errors:
+            continue
         row_logits = processed.get(i)
         if not row.params.greedy:
             tokens[i] = _draw(logits[i] if row_logits is None else row_logits, row.params, row.output_index)
         elif row_logits is not None:
             tokens[i] = int(torch.argmax(row_logits).item())
-    results = [SampleResult(t) for t in tokens]
-    want = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+    results = [SampleResult(t, error=errors.get(i)) for i, t in enumerate(tokens)]
+    want = [i for i, row in enumerate(rows) if row.params.logprobs is not None and i not in errors]
     if want:
         stacked = torch.stack([processed.get(i, logits[i]).float() for i in want])
         values = token_logprobs(torch.log_softmax(stacked, dim=-1), [tokens[i] for i in want],
