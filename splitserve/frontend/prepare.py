@@ -9,7 +9,7 @@ the sampling parameters lives here, once:
   (:mod:`.prompt_limit`), then encoded with the model's special tokens (BOS); a chat conversation is rendered with
   the model's chat template (:mod:`.chat`); prompt token ids must lie in the vocabulary;
 * stop token ids, ``logit_bias`` keys and ``allowed_token_ids`` lie in the vocabulary; ``bad_words`` are
-  tokenized the way vLLM does (:func:`.sampling_map.bad_words_token_ids`); at most :data:`MAX_STOP_STRINGS`
+  tokenized the way vLLM does (:class:`.sampling_map.BadWords`); at most :data:`MAX_STOP_STRINGS`
   non-empty stop strings;
 * prompt + ``max_tokens`` fits ``max_model_len`` (``max_tokens`` unset: all the room the prompt leaves);
 * the values :class:`SamplingParams` accepts (temperature, top_p, top_k, seed, penalties, min_p, min_tokens,
@@ -30,7 +30,7 @@ from splitserve.engine.sampling import SamplingParams
 from splitserve.frontend.chat import encode_chat
 from splitserve.frontend.errors import APIError
 from splitserve.frontend.prompt_limit import PromptLimit
-from splitserve.frontend.sampling_map import bad_words_token_ids, build_params
+from splitserve.frontend.sampling_map import BadWords, build_params
 
 MAX_STOP_STRINGS = 4
 """Most stop strings one request may carry."""
@@ -107,6 +107,7 @@ class RequestPreparer:
         self.max_model_len = max_model_len
         self.limit = PromptLimit(tokenizer, max_model_len)
         self.vocab_size: int = tokenizer.hf.get_vocab_size(with_added_tokens=True)
+        self.bad_words = BadWords(tokenizer)
 
     def prepare(self, prompt: str | Sequence[int] | ChatPrompt, sampling: SamplingRequest,
                 param: str = "prompt") -> PreparedRequest:
@@ -146,7 +147,7 @@ class RequestPreparer:
         if sampling.allowed_token_ids is not None:
             self.check_token_ids(sampling.allowed_token_ids, "allowed_token_ids")
         max_tokens = self.completion_budget(prompt_len, sampling.max_tokens, param)
-        return build_params(sampling, max_tokens, bad_words_token_ids(self.tokenizer, sampling.bad_words))
+        return build_params(sampling, max_tokens, self.bad_words(sampling.bad_words))
 
     def check_token_ids(self, ids: Sequence[int], param: str) -> None:
         """Raise a 400 when an id is outside the tokenizer's vocabulary."""
