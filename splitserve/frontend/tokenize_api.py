@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -52,6 +52,12 @@ class TokenizeChatRequest(BaseModel):
     add_generation_prompt: bool = True
     add_special_tokens: bool | None = None
     return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _check_messages(self) -> TokenizeChatRequest:
+        for i, message in enumerate(self.messages):
+            message.check(f"messages[{i}]")  # the rules of a chat request
+        return self
 
 
 class DetokenizeRequest(BaseModel):

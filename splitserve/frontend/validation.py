@@ -112,6 +112,8 @@ def _readable(e: ValidationError) -> APIError:
     err = e.errors(include_url=False)[0]
     cause = (err.get("ctx") or {}).get("error")
     if isinstance(cause, FieldError):
+        if cause.missing:
+            return APIError(f"Missing required parameter: '{cause.param}'.", param=cause.param)
         return APIError(f"Invalid value for '{cause.param}': {cause}", param=cause.param)
     parts = [
         str(p) for p in err["loc"] if not (isinstance(p, str) and ("[" in p or p in _TYPE_TAGS or "-" in p))
