@@ -91,7 +91,12 @@ BAD_REQUESTS = [
     ("/v1/completions", {**GOOD, "top_p": 0}, 400, "top_p", None, "greater than 0"),
     ("/v1/completions", {**GOOD, "max_tokens": 0}, 400, "max_tokens", None, "only allowed with echo"),
     ("/v1/completions", {**GOOD, "max_tokens": -1}, 400, "max_tokens", None, "greater than or equal to 0"),
-    ("/v1/completions", {**GOOD, "max_tokens": 500}, 400, "prompt", "context_length_exceeded", "maximum context length is 64"),
+    ("/v1/completions", {**GOOD, "max_tokens": 500}, 400, "max_tokens", "context_length_exceeded", "maximum context length is 64"),
+    ("/v1/completions", {**GOOD, "max_tokens": 10**9}, 400, "max_tokens", "context_length_exceeded", "maximum context length"),
+    ("/v1/completions", {**GOOD, "prompt": list(range(3, 67)), "max_tokens": 1}, 400, "prompt", "context_length_exceeded",
+     "(64 in the prompt, 1 in the completion)"),
+    ("/v1/completions", {**GOOD, "prompt": "Once upon a time " * 40}, 400, "prompt", "context_length_exceeded", None),
+    ("/v1/chat/completions", {**CHAT_OK, "max_tokens": 10**9}, 400, "max_tokens", "context_length_exceeded", None),
     ("/v1/completions", {**GOOD, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", None, "at most 4"),
     ("/v1/completions", {**GOOD, "stop": [""]}, 400, "stop", None, "must not be empty"),
     ("/v1/completions", {**GOOD, "stop_token_ids": [5000]}, 400, "stop_token_ids", None, "out of range"),
@@ -128,7 +133,12 @@ BAD_REQUESTS = [
      "letters, digits"),
     # TinyStories-656K's vocabulary has no '{': JSON output is impossible (stories260K.gguf can)
     ("/v1/chat/completions", {**CHAT_OK, "response_format": {"type": "json_object"}}, 400, "response_format", None, "cannot write"),
-    ("/v1/chat/completions", {**CHAT_OK, "max_completion_tokens": 100}, 400, "messages", "context_length_exceeded", None),
+    ("/v1/chat/completions", {**CHAT_OK, "max_completion_tokens": 100}, 400, "max_completion_tokens",
+     "context_length_exceeded", None),
+    ("/v1/chat/completions", {**CHAT_OK, "max_tokens": 5, "max_completion_tokens": 10**9}, 400, "max_completion_tokens",
+     "context_length_exceeded", None),
+    ("/v1/chat/completions", {**CHAT_OK, "messages": [{"role": "user", "content": "Once upon a time " * 40}]}, 400,
+     "messages", "context_length_exceeded", None),
     ("/v1/chat/completions", {**CHAT_OK, "model": "other"}, 404, "model", "model_not_found", None),
 ]
 

@@ -50,12 +50,14 @@ class SamplingRequest:
 
     Attributes:
         max_tokens: most tokens to generate; None: all the room the prompt leaves in the context.
+        max_tokens_param: the request field ``max_tokens`` came from (named when it does not fit the context).
         stop: stop strings (the matched string is not returned).
         bad_words: words that must not be generated (tokenized here, vLLM's way).
         The others as the :class:`SamplingParams` fields of the same name.
     """
 
     max_tokens: int | None = None
+    max_tokens_param: str = "max_tokens"
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -146,7 +148,7 @@ class RequestPreparer:
         self.check_token_ids([t for t, _ in sampling.logit_bias], "logit_bias")
         if sampling.allowed_token_ids is not None:
             self.check_token_ids(sampling.allowed_token_ids, "allowed_token_ids")
-        max_tokens = self.completion_budget(prompt_len, sampling.max_tokens, param)
+        max_tokens = self.completion_budget(prompt_len, sampling.max_tokens, param, sampling.max_tokens_param)
         return build_params(sampling, max_tokens, self.bad_words(sampling.bad_words))
 
     def check_token_ids(self, ids: Sequence[int], param: str) -> None:
@@ -155,15 +157,17 @@ class RequestPreparer:
         if bad:
             raise APIError(f"Token id {bad[0]} in '{param}' is out of range [0, {self.vocab_size}).", param=param)
 
-    def completion_budget(self, prompt_len: int, requested: int | None, param: str) -> int:
+    def completion_budget(self, prompt_len: int, requested: int | None, param: str,
+                          budget_param: str = "max_tokens") -> int:
         """The max_tokens to use: ``requested``, or all the room left when None.
 
         Raises:
             APIError: 400 for ``requested`` below 1, and ``context_length_exceeded`` when prompt + completion
-                does not fit.
+                does not fit, naming ``param`` (the prompt) when the prompt leaves no room for a token, else
+                ``budget_param`` (the field that asked for ``requested``).
         """
         if requested is not None and requested < 1:
-            raise APIError(f"max_tokens must be at least 1, got {requested}.", param="max_tokens")
+            raise APIError(f"{budget_param} must be at least 1, got {requested}.", param=budget_param)
         max_model_len = self.max_model_len
         max_tokens = requested if requested is not None else max_model_len - prompt_len
         if max_tokens < 1 or prompt_len + max_tokens > max_model_len:
@@ -172,7 +176,7 @@ class RequestPreparer:
                 f"This model's maximum context length is {max_model_len} tokens. However, you requested "
                 f"{prompt_len + shown} tokens ({prompt_len} in the prompt, {shown} in the completion). "
                 "Please reduce the length of the prompt or completion.",
-                param=param,
+                param=param if prompt_len >= max_model_len else budget_param,
                 code="context_length_exceeded",
             )
         return max_tokens

@@ -193,12 +193,14 @@ def completion_prompt(req: CompletionRequest) -> str | list[int]:
 
 
 def sampling_request(req: GenerationRequest, max_tokens: int | None, *, n: int | None = None,
-                     logprobs: int | None = None, prompt_logprobs: int | None = None) -> SamplingRequest:
+                     logprobs: int | None = None, prompt_logprobs: int | None = None,
+                     max_tokens_param: str = "max_tokens") -> SamplingRequest:
     """The request's sampling fields with OpenAI's defaults (temperature 1, top_p 1; top_k, penalties and
     min_p off); ``max_tokens`` None: all the room the prompt leaves. ``n``, ``logprobs`` and ``prompt_logprobs``
     override what the request says (best_of and echo ask the backend for more than the client sees)."""
     return SamplingRequest(
         max_tokens=max_tokens,
+        max_tokens_param=max_tokens_param,
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
         top_k=-1 if req.top_k is None else req.top_k,
@@ -239,4 +241,5 @@ def completion_sampling(req: CompletionRequest, default_max_tokens: int) -> Samp
 
 def chat_sampling(req: ChatCompletionRequest) -> SamplingRequest:
     """Sampling of a chat request (``max_completion_tokens`` wins over ``max_tokens``)."""
-    return sampling_request(req, req.requested_max_tokens)
+    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    return sampling_request(req, req.requested_max_tokens, max_tokens_param=param)
