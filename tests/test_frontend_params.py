@@ -48,6 +48,18 @@ def test_bad_words_ban_the_bare_word_and_the_word_after_a_space(tok) -> None:
     assert [tok.hf.id_to_token(t) for t in tok.encode("girl", add_special_tokens=False)] == ["▁", "girl"]
 
 
+async def test_token_strs_show_special_tokens_as_written(tok) -> None:
+    """tokenizers reports an added token declared ``normalized`` by its normalized form (``id_to_token(1)`` is
+    "▁<|start_story|>" here); token_strs show what the tokenizer file declares, the vocabulary's piece otherwise."""
+    assert tok.hf.id_to_token(tok.bos_token_id) == "▁<|start_story|>"
+    async with make_client(tok, ScriptedBackend()) as c:
+        r = await c.post("/tokenize", json={"prompt": "Once upon a time <|end_story|>", "return_token_strs": True})
+    ids, strs = r.json()["tokens"], r.json()["token_strs"]
+    assert ids[0] == tok.bos_token_id and strs[0] == "<|start_story|>"
+    assert ids[-1] == tok.eos_token_ids[0] and strs[-1] == "<|end_story|>"
+    assert strs[1:-1] == [tok.hf.id_to_token(i) for i in ids[1:-1]] and "▁" in strs  # ordinary pieces keep "▁"
+
+
 async def test_empty_prompt_generates_from_bos_alone(tok) -> None:
     backend = ScriptedBackend(script=[80, 147])
     async with make_client(tok, backend) as c:
