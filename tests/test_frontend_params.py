@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 import splitserve
 from splitserve.frontend.chat import encode_chat
 from splitserve.frontend.sampling_map import bad_words_token_ids
@@ -111,3 +113,25 @@ async def test_tokenize_needs_the_api_key_when_one_is_set(tok) -> None:
         assert (await c.post("/tokenize", json={"prompt": "x"})).status_code == 401
         ok = await c.post("/tokenize", json={"prompt": "x"}, headers={"Authorization": "Bearer k"})
         assert ok.status_code == 200
+
+
+def test_a_sampling_request_carries_every_sampling_params_field(tok) -> None:
+    """SamplingRequest holds SamplingParams' own fields (its field list is not repeated): every field but the two
+    the preparer resolves (the budget and the tokenized bad words) reaches the params as given."""
+    from dataclasses import fields
+
+    from splitserve.engine.guided_spec import GuidedSpec
+    from splitserve.engine.sampling import SamplingParams
+    from splitserve.frontend.prepare import SAMPLING_OPTIONS, RequestPreparer, SamplingRequest
+
+    want = SamplingParams(
+        max_tokens=7, temperature=0.5, top_p=0.9, top_k=3, seed=5, stop_token_ids=(13,), ignore_eos=True,
+        presence_penalty=0.1, frequency_penalty=0.2, repetition_penalty=1.1, min_p=0.05, min_tokens=2,
+        logit_bias=((80, 1.0),), bad_words_token_ids=((1132,), (80, 1132)), allowed_token_ids=(80, 1132), logprobs=2,
+        prompt_logprobs=1, n=2, guided=GuidedSpec("regex", "a+"))
+    defaults = SamplingParams()
+    assert all(getattr(want, f.name) != getattr(defaults, f.name) for f in fields(SamplingParams))  # none left out
+    sampling = SamplingRequest({name: getattr(want, name) for name in SAMPLING_OPTIONS}, max_tokens=7, bad_words=("girl",))
+    assert RequestPreparer(tok, 512).sampling_params(3, sampling) == want
+    with pytest.raises(TypeError, match="max_tokens"):
+        SamplingRequest({"max_tokens": 7})

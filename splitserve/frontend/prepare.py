@@ -22,8 +22,8 @@ Tokenizing and rendering are CPU-heavy: call :meth:`RequestPreparer.prepare` off
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from splitserve.engine.sampling import SamplingParams
@@ -44,38 +44,38 @@ class ChatPrompt:
     tools: Sequence[dict[str, Any]] | None = None  # chat ``tools``, the template's ``tools`` variable
 
 
+SAMPLING_OPTIONS = frozenset(f.name for f in fields(SamplingParams)) - {"max_tokens", "bad_words_token_ids"}
+"""The :class:`SamplingParams` fields a :class:`SamplingRequest` carries as they are (the rest need the prompt
+length or the tokenizer)."""
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingRequest:
-    """Sampling as the client asked for it, each front door's defaults applied (see :class:`SamplingParams`).
+    """Sampling as the client asked for it, each front door's defaults applied, before tokenization: the
+    :class:`SamplingParams` fields that need no tokenizer as they are, and the few that do in request form.
 
     Attributes:
+        options: :class:`SamplingParams` keyword arguments, any of :data:`SAMPLING_OPTIONS` (one left out keeps
+            SamplingParams' default); their values are checked when the params are built.
         max_tokens: most tokens to generate; None: all the room the prompt leaves in the context.
         max_tokens_param: the request field ``max_tokens`` came from (named when it does not fit the context).
         stop: stop strings (the matched string is not returned).
         bad_words: words that must not be generated (tokenized here, vLLM's way).
-        The others as the :class:`SamplingParams` fields of the same name.
+
+    Raises:
+        TypeError: an option that is not one of :data:`SAMPLING_OPTIONS` (a front door's bug).
     """
 
+    options: Mapping[str, Any] = field(default_factory=dict)
     max_tokens: int | None = None
     max_tokens_param: str = "max_tokens"
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
-    ignore_eos: bool = False
-    stop: tuple[str, ...] = field(default_factory=tuple)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_p: float = 0.0
-    min_tokens: int = 0
-    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
-    bad_words: tuple[str, ...] = field(default_factory=tuple)
-    allowed_token_ids: tuple[int, ...] | None = None
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
-    n: int = 1
+    stop: tuple[str, ...] = ()
+    bad_words: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        unknown = set(self.options) - SAMPLING_OPTIONS
+        if unknown:
+            raise TypeError(f"not SamplingRequest options: {sorted(unknown)} (see SAMPLING_OPTIONS)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,11 +143,10 @@ class RequestPreparer:
             check_stop_strings(sampling.stop)
         except ValueError as e:
             raise APIError(f"Invalid value for 'stop': {e}", param="stop") from None
-        if sampling.stop_token_ids:
-            self.check_token_ids(sampling.stop_token_ids, "stop_token_ids")
-        self.check_token_ids([t for t, _ in sampling.logit_bias], "logit_bias")
-        if sampling.allowed_token_ids is not None:
-            self.check_token_ids(sampling.allowed_token_ids, "allowed_token_ids")
+        options = sampling.options
+        self.check_token_ids(options.get("stop_token_ids") or (), "stop_token_ids")
+        self.check_token_ids([t for t, _ in options.get("logit_bias") or ()], "logit_bias")
+        self.check_token_ids(options.get("allowed_token_ids") or (), "allowed_token_ids")
         max_tokens = self.completion_budget(prompt_len, sampling.max_tokens, param, sampling.max_tokens_param)
         return build_params(sampling, max_tokens, self.bad_words(sampling.bad_words))
 

@@ -105,15 +105,7 @@ def build_params(sampling: Any, max_tokens: int, bad_words: tuple[tuple[int, ...
         APIError: 400 naming the field SamplingParams refused (e.g. ``min_tokens`` above ``max_tokens``).
     """
     try:
-        return SamplingParams(
-            max_tokens=max_tokens, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-            seed=sampling.seed, stop_token_ids=tuple(sampling.stop_token_ids), ignore_eos=sampling.ignore_eos,
-            presence_penalty=sampling.presence_penalty, frequency_penalty=sampling.frequency_penalty,
-            repetition_penalty=sampling.repetition_penalty, min_p=sampling.min_p, min_tokens=sampling.min_tokens,
-            logit_bias=tuple(sampling.logit_bias), bad_words_token_ids=bad_words,
-            allowed_token_ids=None if sampling.allowed_token_ids is None else tuple(sampling.allowed_token_ids),
-            logprobs=sampling.logprobs, prompt_logprobs=sampling.prompt_logprobs, n=sampling.n,
-        )
+        return SamplingParams(**sampling.options, max_tokens=max_tokens, bad_words_token_ids=bad_words)
     except ValueError as e:
         name = str(e).split(" ", 1)[0]
         param = _FIELD_OF.get(name, name) if name in _PARAMS else None
