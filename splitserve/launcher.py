@@ -4,8 +4,8 @@ local processes.
 Waits until every process is healthy, prints the endpoints, reports any process that dies,
 and on Ctrl-C / SIGTERM stops them gracefully, front to back: the router first (it drains: in-flight
 requests finish within the shutdown grace period while the workers still serve them), then the prefill
-and decode workers (drained too), then the KV store; a process still running after the grace period (plus a
-margin) is killed. Each child also gets PR_SET_PDEATHSIG, so none outlives a launcher that is killed outright.
+and decode workers (drained too), then the KV store's storage nodes, then its master; a process still running
+after the grace period (plus a margin) is killed. Each child also gets PR_SET_PDEATHSIG, so none outlives a launcher that is killed outright.
 """
 
 from __future__ import annotations
@@ -127,17 +127,20 @@ class Cluster:
 
     def stop(self, grace_s: float | None = None) -> None:
         """SIGTERM in stages, front to back: the router (the workers move on as soon as it has drained and closed
-        its port; its exit overlaps), then the prefill and decode workers, then the KV store and the rest. A
-        process still running ``grace_s`` after its SIGTERM (default: the children's shutdown grace,
-        ``PD_SHUTDOWN_GRACE_S``, plus 10 s) is killed."""
+        its port; its exit overlaps), then the prefill and decode workers, then the KV store's storage nodes
+        (each unmounts its segment from the master), then the master and the rest. A process still running
+        ``grace_s`` after its SIGTERM (default: the children's shutdown grace, ``PD_SHUTDOWN_GRACE_S``, plus
+        10 s) is killed."""
         if grace_s is None:
             grace_s = env_float("PD_SHUTDOWN_GRACE_S", DEFAULT_GRACE_S, {**os.environ, **self.env}) + 10.0
-        front, workers, rest = [], [], []
+        front, workers, nodes, rest = [], [], [], []
         for child in self.children:
-            (front if child.name == "router" else workers if child.name.startswith(("prefill", "decode")) else rest).append(child)
+            stage = (front if child.name == "router" else workers if child.name.startswith(("prefill", "decode"))
+                     else nodes if child.name.startswith("kvstore-node") else rest)
+            stage.append(child)
         front_deadline = self._term(front, grace_s)
         self._wait(front, front_deadline, until_closed=True)
-        for stage in (workers, rest):
+        for stage in (workers, nodes, rest):
             self._wait(stage, self._term(stage, grace_s))
         self._wait(front, front_deadline)
 

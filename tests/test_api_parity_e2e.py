@@ -124,7 +124,9 @@ async def test_echo_prompt_logprobs_equal_transformers(base_url, hf):
     # a text prompt: the server adds BOS, echoed like any prompt token
     text_lp = (await post(base_url, "/v1/completions", {**echo0, "prompt": PROMPT}))["choices"][0]
     assert text_lp["logprobs"]["token_logprobs"] == approx(hf.prompt_logprobs(hf.encode(PROMPT)))
-    assert text_lp["text"] == PROMPT
+    # echoed as its tokens' text, BOS kept, so each text_offset points at its token
+    assert text_lp["text"] == "".join(text_lp["logprobs"]["tokens"]) and text_lp["text"].endswith(PROMPT)
+    assert text_lp["text"].startswith(text_lp["logprobs"]["tokens"][0]) and text_lp["logprobs"]["tokens"][0] != PROMPT[:1]
 
 
 async def test_vllm_prompt_logprobs_equal_transformers(base_url, hf):

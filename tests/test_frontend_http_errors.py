@@ -44,6 +44,16 @@ def assert_error(r: httpx.Response, status: int, *, param=None, code=None, type_
 
 CHAT_OK = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
 
+
+def _call_with(arguments) -> dict:
+    """An assistant message calling ``add`` with ``arguments``."""
+    return {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": arguments}}]}
+
+
+TOOL_CALL = _call_with('{"a": 2, "b": 2}')
+TOOL_REPLY = {"role": "tool", "tool_call_id": "call_1", "content": "4"}
+
 BAD_REQUESTS = [
     # (path, body, status, param, code, message fragment)
     ("/v1/completions", {**GOOD, "model": "gpt-4"}, 404, "model", "model_not_found", "`gpt-4` does not exist"),
@@ -81,17 +91,39 @@ BAD_REQUESTS = [
     ("/v1/completions", {**GOOD, "top_p": 0}, 400, "top_p", None, "greater than 0"),
     ("/v1/completions", {**GOOD, "max_tokens": 0}, 400, "max_tokens", None, "only allowed with echo"),
     ("/v1/completions", {**GOOD, "max_tokens": -1}, 400, "max_tokens", None, "greater than or equal to 0"),
-    ("/v1/completions", {**GOOD, "max_tokens": 500}, 400, "prompt", "context_length_exceeded", "maximum context length is 64"),
+    ("/v1/completions", {**GOOD, "max_tokens": 500}, 400, "max_tokens", "context_length_exceeded", "maximum context length is 64"),
+    ("/v1/completions", {**GOOD, "max_tokens": 10**9}, 400, "max_tokens", "context_length_exceeded", "maximum context length"),
+    ("/v1/completions", {**GOOD, "prompt": list(range(3, 67)), "max_tokens": 1}, 400, "prompt", "context_length_exceeded",
+     "(64 in the prompt, 1 in the completion)"),
+    ("/v1/completions", {**GOOD, "prompt": "Once upon a time " * 40}, 400, "prompt", "context_length_exceeded", None),
+    ("/v1/chat/completions", {**CHAT_OK, "max_tokens": 10**9}, 400, "max_tokens", "context_length_exceeded", None),
     ("/v1/completions", {**GOOD, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", None, "at most 4"),
     ("/v1/completions", {**GOOD, "stop": [""]}, 400, "stop", None, "must not be empty"),
     ("/v1/completions", {**GOOD, "stop_token_ids": [5000]}, 400, "stop_token_ids", None, "out of range"),
-    ("/v1/completions", {**GOOD, "stream_options": {"include_usage": True}}, 400, None, None, "only allowed when stream"),
+    ("/v1/completions", {**GOOD, "stream_options": {"include_usage": True}}, 400, "stream_options", None,
+     "only allowed when stream"),
+    ("/v1/chat/completions", {**CHAT_OK, "stream_options": {"include_usage": True}}, 400, "stream_options", None,
+     "only allowed when stream"),
     ("/v1/completions", {**GOOD, "seed": -1}, 400, "seed", None, "greater than or equal to 0"),
     ("/v1/completions", [GOOD], 400, None, None, "JSON object"),
     ("/v1/chat/completions", {**CHAT_OK, "messages": []}, 400, "messages", None, "at least 1"),
     ("/v1/chat/completions", {**CHAT_OK, "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role", None, None),
     ("/v1/chat/completions", {**CHAT_OK, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      400, "messages.0.content", None, "text content parts"),
+    ("/v1/chat/completions", {**CHAT_OK, "messages": [{"role": "system", "content": "s"}, {"role": "user"}]}, 400,
+     "messages[1].content", None, "Missing required parameter: 'messages[1].content'"),
+    ("/v1/chat/completions", {**CHAT_OK, "messages": [{"role": "user", "content": None}]}, 400, "messages[0].content",
+     None, "Missing required parameter"),
+    ("/v1/chat/completions", {**CHAT_OK, "messages": [*CHAT_OK["messages"], {"role": "assistant"}]}, 400,
+     "messages[1].content", None, "Missing required parameter"),
+    ("/v1/chat/completions", {**CHAT_OK, "messages": [*CHAT_OK["messages"], TOOL_CALL, {"role": "tool", "content": "4"}]},
+     400, "messages[2].tool_call_id", None, "Missing required parameter: 'messages[2].tool_call_id'"),
+    ("/v1/chat/completions", {**CHAT_OK, "messages": [*CHAT_OK["messages"], TOOL_CALL, {**TOOL_REPLY, "tool_call_id": 7}]},
+     400, "messages[2].tool_call_id", None, "needs the id of the tool call"),
+    ("/v1/chat/completions", {**CHAT_OK, "messages": [*CHAT_OK["messages"], _call_with("{not json"), TOOL_REPLY]}, 400,
+     "messages[1].tool_calls[0].function.arguments", None, "is not valid JSON"),
+    ("/v1/chat/completions", {**CHAT_OK, "messages": [*CHAT_OK["messages"], _call_with({"a": 1}), TOOL_REPLY]}, 400,
+     "messages[1].tool_calls[0].function.arguments", None, "must be a JSON string"),
     ("/v1/chat/completions", {**CHAT_OK, "top_logprobs": 2}, 400, "top_logprobs", None, "requires logprobs to be true"),
     ("/v1/chat/completions", {**CHAT_OK, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", None, "less than or equal to 20"),
     ("/v1/chat/completions", {**CHAT_OK, "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs", None, "stream"),
@@ -101,7 +133,12 @@ BAD_REQUESTS = [
      "letters, digits"),
     # TinyStories-656K's vocabulary has no '{': JSON output is impossible (stories260K.gguf can)
     ("/v1/chat/completions", {**CHAT_OK, "response_format": {"type": "json_object"}}, 400, "response_format", None, "cannot write"),
-    ("/v1/chat/completions", {**CHAT_OK, "max_completion_tokens": 100}, 400, "messages", "context_length_exceeded", None),
+    ("/v1/chat/completions", {**CHAT_OK, "max_completion_tokens": 100}, 400, "max_completion_tokens",
+     "context_length_exceeded", None),
+    ("/v1/chat/completions", {**CHAT_OK, "max_tokens": 5, "max_completion_tokens": 10**9}, 400, "max_completion_tokens",
+     "context_length_exceeded", None),
+    ("/v1/chat/completions", {**CHAT_OK, "messages": [{"role": "user", "content": "Once upon a time " * 40}]}, 400,
+     "messages", "context_length_exceeded", None),
     ("/v1/chat/completions", {**CHAT_OK, "model": "other"}, 404, "model", "model_not_found", None),
 ]
 
@@ -115,6 +152,21 @@ async def test_bad_request_then_good_request(tok, story, path, body, status, par
         assert backend.calls == []
         good = await c.post("/v1/completions", json=GOOD)
         assert good.status_code == 200 and good.json()["choices"][0]["finish_reason"] == "length"
+
+
+async def test_a_tool_conversation_that_follows_the_rules_is_accepted(tok, story) -> None:
+    backend = ScriptedBackend(script=story)
+    body = {**CHAT_OK, "max_tokens": 2, "messages": [*CHAT_OK["messages"], TOOL_CALL, TOOL_REPLY,
+                                                     {"role": "assistant", "content": ""}, {"role": "user", "content": "ok"}]}
+    async with client(make_app(tok, backend, max_model_len=512)) as c:
+        r = await c.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+
+
+async def test_tokenize_checks_messages_as_chat_does(tok, story) -> None:
+    async with client(make_app(tok, ScriptedBackend(script=story))) as c:
+        r = await c.post("/tokenize", json={"messages": [{"role": "user"}]})
+    assert_error(r, 400, param="messages[0].content", message="Missing required parameter")
 
 
 async def test_malformed_json_and_unknown_routes(tok, story) -> None:

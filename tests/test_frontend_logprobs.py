@@ -10,6 +10,8 @@ from splitserve.frontend.testing import ScriptedBackend, SimpleTokenizer, fake_l
 from tests.test_frontend_http import MODEL, make_client, parse_sse
 
 PROMPT = "Once upon a time"
+ECHOED = "<|start_story|> Once upon a time"
+"""What echo shows of PROMPT: its tokens' text, BOS kept (the tokenizer's "▁" dummy prefix token shows after it)."""
 
 
 @pytest.fixture
@@ -76,7 +78,7 @@ async def test_echo_with_logprobs_puts_the_prompt_first_with_a_null_first_token(
     prompt_ids, params = backend.calls[0][1], backend.calls[0][2]
     assert params.prompt_logprobs == 1 and params.max_tokens == 3
     (choice,) = r.json()["choices"]
-    assert choice["text"] == PROMPT + no_echo.json()["choices"][0]["text"]
+    assert choice["text"] == ECHOED + no_echo.json()["choices"][0]["text"]
     assert choice["logprobs"] == expected_completion_logprobs(tok, prompt_ids + out_ids[:3], 1, first_null=True)
     assert r.json()["usage"]["completion_tokens"] == 3
 
@@ -87,7 +89,7 @@ async def test_echo_without_logprobs_returns_the_prompt_text(tok, out_ids) -> No
         r = await c.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "echo": True})
         no_echo = await c.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2})
     assert backend.calls[0][2].prompt_logprobs is None
-    assert r.json()["choices"][0] == {"index": 0, "text": PROMPT + no_echo.json()["choices"][0]["text"],
+    assert r.json()["choices"][0] == {"index": 0, "text": ECHOED + no_echo.json()["choices"][0]["text"],
                                       "logprobs": None, "finish_reason": "length"}
 
 
@@ -103,14 +105,14 @@ async def test_echo_with_max_tokens_0_scores_the_prompt_and_generates_nothing(to
     assert params.max_tokens == 1 and params.prompt_logprobs == 1  # one token asked for, then dropped
     if stream:
         *chunks, usage_chunk = parse_sse(r)
-        assert "".join(ch["choices"][0]["text"] for ch in chunks) == PROMPT
+        assert "".join(ch["choices"][0]["text"] for ch in chunks) == ECHOED
         tokens = [t for ch in chunks if ch["choices"][0]["logprobs"] for t in ch["choices"][0]["logprobs"]["tokens"]]
         assert tokens == [text_of(tok, t, at_start=i == 0) for i, t in enumerate(prompt_ids)]
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
         usage = usage_chunk["usage"]
     else:
         (choice,) = r.json()["choices"]
-        assert choice["text"] == PROMPT and choice["finish_reason"] == "length"
+        assert choice["text"] == ECHOED and choice["finish_reason"] == "length"
         assert choice["logprobs"] == expected_completion_logprobs(tok, prompt_ids, 1, first_null=True)
         usage = r.json()["usage"]
     assert usage["completion_tokens"] == 0 and usage["prompt_tokens"] == len(prompt_ids)
@@ -202,3 +204,37 @@ async def test_missing_backend_logprobs_is_a_server_error(tok, out_ids) -> None:
     async with make_client(tok, NoLogprobs(script=out_ids)) as c:
         r = await c.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "logprobs": 1})
     assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+
+
+def _merged_choice(r, stream: bool) -> dict:
+    """The one choice's text and completions logprobs object, a stream's chunks merged."""
+    if not stream:
+        return r.json()["choices"][0]
+    text, lp = "", {"tokens": [], "text_offset": []}
+    for ch in parse_sse(r):
+        (c,) = ch["choices"]
+        text += c["text"]
+        for key in lp:
+            lp[key] += c["logprobs"][key] if c["logprobs"] else []
+    return {"text": text, "logprobs": lp}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("echo", [False, True])
+@pytest.mark.parametrize("prompt", [PROMPT, "ids"])
+async def test_text_offset_points_at_each_token_in_the_text(tok, out_ids, stream, echo, prompt) -> None:
+    """OpenAI's ``text_offset`` arithmetic: ``text[text_offset[i]:][:len(tokens[i])] == tokens[i]`` for every token,
+    the echoed prompt's BOS included (the echo is the prompt's tokens' text, special tokens kept)."""
+    prompt = tok.encode(PROMPT) if prompt == "ids" else prompt
+    req = {"model": MODEL, "prompt": prompt, "max_tokens": 3, "logprobs": 1, "echo": echo, "stream": stream}
+    async with make_client(tok, ScriptedBackend(script=out_ids)) as c:
+        choice = _merged_choice(await c.post("/v1/completions", json=req), stream)
+    text, tokens, offsets = choice["text"], choice["logprobs"]["tokens"], choice["logprobs"]["text_offset"]
+    n_prompt = len(tok.encode(PROMPT)) if echo else 0
+    assert len(tokens) == n_prompt + 3
+    for token, offset in zip(tokens, offsets, strict=True):
+        assert text[offset:offset + len(token)] == token, (text, tokens, offsets)
+    assert offsets[-1] + len(tokens[-1]) == len(text)
+    if echo:
+        assert tokens[0] == "<|start_story|>" and text.startswith("<|start_story|>")
+        assert text == ECHOED + "".join(tokens[n_prompt:])

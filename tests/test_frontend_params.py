@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 import splitserve
 from splitserve.frontend.chat import encode_chat
 from splitserve.frontend.sampling_map import bad_words_token_ids
@@ -42,20 +44,22 @@ async def test_defaults_switch_every_processor_off(tok) -> None:
     assert not p.needs_history
 
 
-def test_bad_words_follow_vllms_rule(tok) -> None:
-    """Each word as is; with a leading space only when that gives another first token and as many tokens."""
-    words = ["girl", " dog", "Lily"]
-    got = bad_words_token_ids(tok, words)
-    expected = []
-    for w in words:
-        plain = tuple(tok.encode(w.lstrip(), add_special_tokens=False))
-        spaced = tuple(tok.encode(" " + w.lstrip(), add_special_tokens=False))
-        expected.append(plain)
-        if spaced[0] != plain[0] and len(spaced) == len(plain):
-            expected.append(spaced)
-    assert got == tuple(expected) and tuple(tok.encode("girl", add_special_tokens=False)) in got
-    # this tokenizer encodes " girl" as "▁", "▁", "girl": one token longer, so only the plain form is banned
-    assert bad_words_token_ids(tok, ["girl"]) == ((80, 1132),)
+def test_bad_words_ban_the_bare_word_and_the_word_after_a_space(tok) -> None:
+    """vLLM's rule: each word as encoded without the tokenizer's "▁" prefix, and with a leading space."""
+    assert bad_words_token_ids(tok, ["girl", " dog"]) == ((1132,), (80, 1132), (604,), (80, 604))
+    assert [tok.hf.id_to_token(t) for t in tok.encode("girl", add_special_tokens=False)] == ["▁", "girl"]
+
+
+async def test_token_strs_show_special_tokens_as_written(tok) -> None:
+    """tokenizers reports an added token declared ``normalized`` by its normalized form (``id_to_token(1)`` is
+    "▁<|start_story|>" here); token_strs show what the tokenizer file declares, the vocabulary's piece otherwise."""
+    assert tok.hf.id_to_token(tok.bos_token_id) == "▁<|start_story|>"
+    async with make_client(tok, ScriptedBackend()) as c:
+        r = await c.post("/tokenize", json={"prompt": "Once upon a time <|end_story|>", "return_token_strs": True})
+    ids, strs = r.json()["tokens"], r.json()["token_strs"]
+    assert ids[0] == tok.bos_token_id and strs[0] == "<|start_story|>"
+    assert ids[-1] == tok.eos_token_ids[0] and strs[-1] == "<|end_story|>"
+    assert strs[1:-1] == [tok.hf.id_to_token(i) for i in ids[1:-1]] and "▁" in strs  # ordinary pieces keep "▁"
 
 
 async def test_empty_prompt_generates_from_bos_alone(tok) -> None:
@@ -109,3 +113,25 @@ async def test_tokenize_needs_the_api_key_when_one_is_set(tok) -> None:
         assert (await c.post("/tokenize", json={"prompt": "x"})).status_code == 401
         ok = await c.post("/tokenize", json={"prompt": "x"}, headers={"Authorization": "Bearer k"})
         assert ok.status_code == 200
+
+
+def test_a_sampling_request_carries_every_sampling_params_field(tok) -> None:
+    """SamplingRequest holds SamplingParams' own fields (its field list is not repeated): every field but the two
+    the preparer resolves (the budget and the tokenized bad words) reaches the params as given."""
+    from dataclasses import fields
+
+    from splitserve.engine.guided_spec import GuidedSpec
+    from splitserve.engine.sampling import SamplingParams
+    from splitserve.frontend.prepare import SAMPLING_OPTIONS, RequestPreparer, SamplingRequest
+
+    want = SamplingParams(
+        max_tokens=7, temperature=0.5, top_p=0.9, top_k=3, seed=5, stop_token_ids=(13,), ignore_eos=True,
+        presence_penalty=0.1, frequency_penalty=0.2, repetition_penalty=1.1, min_p=0.05, min_tokens=2,
+        logit_bias=((80, 1.0),), bad_words_token_ids=((1132,), (80, 1132)), allowed_token_ids=(80, 1132), logprobs=2,
+        prompt_logprobs=1, n=2, guided=GuidedSpec("regex", "a+"))
+    defaults = SamplingParams()
+    assert all(getattr(want, f.name) != getattr(defaults, f.name) for f in fields(SamplingParams))  # none left out
+    sampling = SamplingRequest({name: getattr(want, name) for name in SAMPLING_OPTIONS}, max_tokens=7, bad_words=("girl",))
+    assert RequestPreparer(tok, 512).sampling_params(3, sampling) == want
+    with pytest.raises(TypeError, match="max_tokens"):
+        SamplingRequest({"max_tokens": 7})

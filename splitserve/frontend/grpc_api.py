@@ -44,7 +44,9 @@ DEFAULT_MAX_TOKENS = 16
 def sampling_request(msg: common_pb2.SamplingParams, stop: list[str]) -> SamplingRequest:
     """The request's sampling fields with the proto's defaults (temperature 0 = greedy; top_p and top_k off;
     ``max_tokens`` :data:`DEFAULT_MAX_TOKENS`)."""
-    return SamplingRequest(**sampling_fields(msg, DEFAULT_MAX_TOKENS), stop=tuple(stop))
+    options = sampling_fields(msg, DEFAULT_MAX_TOKENS)
+    max_tokens = options.pop("max_tokens")
+    return SamplingRequest(options, max_tokens=max_tokens, stop=tuple(stop))
 
 
 def response_of(request_id: str, delta: TextDelta) -> router_pb2.GenerateResponse:

@@ -159,7 +159,8 @@ class _OpenAIServer:
         prompt = v.completion_prompt(req)
         prepared = self.preparer.prepare(prompt, v.completion_sampling(req, COMPLETION_DEFAULT_MAX_TOKENS), "prompt")
         prepared = with_guided(prepared, req, self.tokenizer)  # structured outputs (frontend.structured)
-        prompt_text = "" if not req.echo else prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
+        # the echo is the prompt's tokens' text, BOS included (vLLM's echo of token ids), so text_offset adds up
+        prompt_text = self.tokenizer.decode(prepared.prompt_ids, skip_special_tokens=False) if req.echo else ""
         spec = ResponseSpec(n=req.n, logprobs=req.logprobs, prompt_logprobs=req.prompt_logprobs, echo=req.echo,
                             echo_only=req.max_tokens == 0, prompt_ids=prepared.prompt_ids, prompt_text=prompt_text)
         return req, prepared, spec

@@ -4,7 +4,9 @@
   per token; ``top_logprobs`` maps token text -> logprob for the ``k`` most likely tokens plus the chosen one
   (so up to k + 1 entries, as OpenAI's legacy API and vLLM); echoed prompt tokens come first, the very first
   with ``null`` logprob and top logprobs; ``text_offset`` is each token's character offset, counted from the
-  first token shown (vLLM's convention: the sum of the token texts before it).
+  first token shown (vLLM's convention: the sum of the token texts before it). So that each offset points at
+  its token in the choice's ``text``, an echoed prompt is its tokens' text with special tokens kept (BOS
+  included, as vLLM echoes a token-id prompt), not the prompt string as sent.
 * chat ``logprobs``: ``{content: [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}] * k}],
   refusal: null}``.
 * vLLM's ``prompt_logprobs``: one entry per prompt token, the first ``null``, else

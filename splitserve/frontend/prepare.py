@@ -9,7 +9,7 @@ the sampling parameters lives here, once:
   (:mod:`.prompt_limit`), then encoded with the model's special tokens (BOS); a chat conversation is rendered with
   the model's chat template (:mod:`.chat`); prompt token ids must lie in the vocabulary;
 * stop token ids, ``logit_bias`` keys and ``allowed_token_ids`` lie in the vocabulary; ``bad_words`` are
-  tokenized the way vLLM does (:func:`.sampling_map.bad_words_token_ids`); at most :data:`MAX_STOP_STRINGS`
+  tokenized the way vLLM does (:class:`.sampling_map.BadWords`); at most :data:`MAX_STOP_STRINGS`
   non-empty stop strings;
 * prompt + ``max_tokens`` fits ``max_model_len`` (``max_tokens`` unset: all the room the prompt leaves);
 * the values :class:`SamplingParams` accepts (temperature, top_p, top_k, seed, penalties, min_p, min_tokens,
@@ -22,15 +22,15 @@ Tokenizing and rendering are CPU-heavy: call :meth:`RequestPreparer.prepare` off
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from splitserve.engine.sampling import SamplingParams
 from splitserve.frontend.chat import encode_chat
 from splitserve.frontend.errors import APIError
 from splitserve.frontend.prompt_limit import PromptLimit
-from splitserve.frontend.sampling_map import bad_words_token_ids, build_params
+from splitserve.frontend.sampling_map import BadWords, build_params
 
 MAX_STOP_STRINGS = 4
 """Most stop strings one request may carry."""
@@ -44,36 +44,38 @@ class ChatPrompt:
     tools: Sequence[dict[str, Any]] | None = None  # chat ``tools``, the template's ``tools`` variable
 
 
+SAMPLING_OPTIONS = frozenset(f.name for f in fields(SamplingParams)) - {"max_tokens", "bad_words_token_ids"}
+"""The :class:`SamplingParams` fields a :class:`SamplingRequest` carries as they are (the rest need the prompt
+length or the tokenizer)."""
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingRequest:
-    """Sampling as the client asked for it, each front door's defaults applied (see :class:`SamplingParams`).
+    """Sampling as the client asked for it, each front door's defaults applied, before tokenization: the
+    :class:`SamplingParams` fields that need no tokenizer as they are, and the few that do in request form.
 
     Attributes:
+        options: :class:`SamplingParams` keyword arguments, any of :data:`SAMPLING_OPTIONS` (one left out keeps
+            SamplingParams' default); their values are checked when the params are built.
         max_tokens: most tokens to generate; None: all the room the prompt leaves in the context.
+        max_tokens_param: the request field ``max_tokens`` came from (named when it does not fit the context).
         stop: stop strings (the matched string is not returned).
         bad_words: words that must not be generated (tokenized here, vLLM's way).
-        The others as the :class:`SamplingParams` fields of the same name.
+
+    Raises:
+        TypeError: an option that is not one of :data:`SAMPLING_OPTIONS` (a front door's bug).
     """
 
+    options: Mapping[str, Any] = field(default_factory=dict)
     max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
-    ignore_eos: bool = False
-    stop: tuple[str, ...] = field(default_factory=tuple)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_p: float = 0.0
-    min_tokens: int = 0
-    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
-    bad_words: tuple[str, ...] = field(default_factory=tuple)
-    allowed_token_ids: tuple[int, ...] | None = None
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
-    n: int = 1
+    max_tokens_param: str = "max_tokens"
+    stop: tuple[str, ...] = ()
+    bad_words: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        unknown = set(self.options) - SAMPLING_OPTIONS
+        if unknown:
+            raise TypeError(f"not SamplingRequest options: {sorted(unknown)} (see SAMPLING_OPTIONS)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +109,7 @@ class RequestPreparer:
         self.max_model_len = max_model_len
         self.limit = PromptLimit(tokenizer, max_model_len)
         self.vocab_size: int = tokenizer.hf.get_vocab_size(with_added_tokens=True)
+        self.bad_words = BadWords(tokenizer)
 
     def prepare(self, prompt: str | Sequence[int] | ChatPrompt, sampling: SamplingRequest,
                 param: str = "prompt") -> PreparedRequest:
@@ -140,13 +143,12 @@ class RequestPreparer:
             check_stop_strings(sampling.stop)
         except ValueError as e:
             raise APIError(f"Invalid value for 'stop': {e}", param="stop") from None
-        if sampling.stop_token_ids:
-            self.check_token_ids(sampling.stop_token_ids, "stop_token_ids")
-        self.check_token_ids([t for t, _ in sampling.logit_bias], "logit_bias")
-        if sampling.allowed_token_ids is not None:
-            self.check_token_ids(sampling.allowed_token_ids, "allowed_token_ids")
-        max_tokens = self.completion_budget(prompt_len, sampling.max_tokens, param)
-        return build_params(sampling, max_tokens, bad_words_token_ids(self.tokenizer, sampling.bad_words))
+        options = sampling.options
+        self.check_token_ids(options.get("stop_token_ids") or (), "stop_token_ids")
+        self.check_token_ids([t for t, _ in options.get("logit_bias") or ()], "logit_bias")
+        self.check_token_ids(options.get("allowed_token_ids") or (), "allowed_token_ids")
+        max_tokens = self.completion_budget(prompt_len, sampling.max_tokens, param, sampling.max_tokens_param)
+        return build_params(sampling, max_tokens, self.bad_words(sampling.bad_words))
 
     def check_token_ids(self, ids: Sequence[int], param: str) -> None:
         """Raise a 400 when an id is outside the tokenizer's vocabulary."""
@@ -154,15 +156,17 @@ class RequestPreparer:
         if bad:
             raise APIError(f"Token id {bad[0]} in '{param}' is out of range [0, {self.vocab_size}).", param=param)
 
-    def completion_budget(self, prompt_len: int, requested: int | None, param: str) -> int:
+    def completion_budget(self, prompt_len: int, requested: int | None, param: str,
+                          budget_param: str = "max_tokens") -> int:
         """The max_tokens to use: ``requested``, or all the room left when None.
 
         Raises:
             APIError: 400 for ``requested`` below 1, and ``context_length_exceeded`` when prompt + completion
-                does not fit.
+                does not fit, naming ``param`` (the prompt) when the prompt leaves no room for a token, else
+                ``budget_param`` (the field that asked for ``requested``).
         """
         if requested is not None and requested < 1:
-            raise APIError(f"max_tokens must be at least 1, got {requested}.", param="max_tokens")
+            raise APIError(f"{budget_param} must be at least 1, got {requested}.", param=budget_param)
         max_model_len = self.max_model_len
         max_tokens = requested if requested is not None else max_model_len - prompt_len
         if max_tokens < 1 or prompt_len + max_tokens > max_model_len:
@@ -171,7 +175,7 @@ class RequestPreparer:
                 f"This model's maximum context length is {max_model_len} tokens. However, you requested "
                 f"{prompt_len + shown} tokens ({prompt_len} in the prompt, {shown} in the completion). "
                 "Please reduce the length of the prompt or completion.",
-                param=param,
+                param=param if prompt_len >= max_model_len else budget_param,
                 code="context_length_exceeded",
             )
         return max_tokens

@@ -16,6 +16,7 @@ integers too (JSON has one number type: ``"temperature": 1`` is fine).
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -37,11 +38,13 @@ _STRICT = ConfigDict(extra="forbid", strict=True)
 
 
 class FieldError(ValueError):
-    """A cross-field check failed; :mod:`.validation` reports it as a 400 naming ``param``."""
+    """A cross-field check failed; :mod:`.validation` reports it as a 400 naming ``param`` (``missing``: the
+    parameter is required here and absent, OpenAI's "Missing required parameter")."""
 
-    def __init__(self, param: str, message: str) -> None:
+    def __init__(self, param: str, message: str, missing: bool = False) -> None:
         super().__init__(message)
         self.param = param
+        self.missing = missing
 
 
 class StreamOptions(BaseModel):
@@ -127,7 +130,7 @@ class GenerationRequest(BaseModel):
     @model_validator(mode="after")
     def _check_stream_options(self) -> GenerationRequest:
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed when stream is true")
+            raise FieldError("stream_options", "only allowed when stream is true")
         return self
 
     def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
@@ -210,6 +213,35 @@ class ChatMessage(BaseModel):
             return self.content
         return "".join(p.text for p in self.content)
 
+    def check(self, where: str) -> None:
+        """OpenAI's per-role rules; ``where`` names the message (``messages[1]``) in the error.
+
+        Raises:
+            FieldError: no ``content`` (an assistant message may have ``tool_calls`` instead); a tool message
+                without a string ``tool_call_id``; an assistant tool call whose ``function.arguments`` is not a
+                JSON string.
+        """
+        extra = self.model_extra or {}
+        calls = extra.get("tool_calls")
+        if self.content is None and not (self.role == "assistant" and calls):
+            raise FieldError(f"{where}.content", "missing", missing=True)
+        if self.role == "tool" and not isinstance(extra.get("tool_call_id"), str):
+            raise FieldError(f"{where}.tool_call_id", "a tool message needs the id of the tool call it answers",
+                             missing="tool_call_id" not in extra or extra["tool_call_id"] is None)
+        if self.role == "assistant" and calls is not None:
+            if not isinstance(calls, list):
+                raise FieldError(f"{where}.tool_calls", "must be an array of tool calls")
+            for j, call in enumerate(calls):
+                fn = call.get("function") if isinstance(call, dict) else None
+                args = fn.get("arguments") if isinstance(fn, dict) else None
+                if not isinstance(args, str):
+                    raise FieldError(f"{where}.tool_calls[{j}].function.arguments", "must be a JSON string",
+                                     missing=args is None)
+                try:
+                    json.loads(args)
+                except json.JSONDecodeError as e:
+                    raise FieldError(f"{where}.tool_calls[{j}].function.arguments", f"is not valid JSON ({e})") from None
+
     def template_dict(self) -> dict:
         """The message as chat templates expect it: ``{"role", "content", ...extras}``."""
         extras = {k: v for k, v in (self.model_extra or {}).items() if v is not None}
@@ -226,6 +258,12 @@ class ChatCompletionRequest(GenerationRequest):
     # --- tools (validated by splitserve.frontend.tools.plan_tools, which names the field in a 400) ---
     tools: Any = None
     tool_choice: Any = None
+
+    @model_validator(mode="after")
+    def _check_messages(self) -> ChatCompletionRequest:
+        for i, message in enumerate(self.messages):
+            message.check(f"messages[{i}]")
+        return self
 
     @model_validator(mode="after")
     def _check_chat_logprobs(self) -> ChatCompletionRequest:

@@ -40,8 +40,10 @@ class ResponseSpec:
         logprobs: alternatives per token of the ``logprobs`` object, or None for ``"logprobs": null``.
         prompt_logprobs: alternatives per prompt token of vLLM's ``prompt_logprobs``, or None (not shown).
         echo: completions: the prompt (text, and its tokens in ``logprobs``) precedes each choice's text.
+        prompt_text: the echoed prompt: its tokens' text with special tokens (BOS) kept, for a text prompt as
+            for token ids, so each ``text_offset`` points at its token in the text.
         echo_only: ``max_tokens: 0``: the generated token is dropped (completion_tokens 0, finish "length").
-        prompt_ids / prompt_text: the prompt, for echo and prompt logprobs.
+        prompt_ids: the prompt, for echo and prompt logprobs.
     """
 
     n: int = 1

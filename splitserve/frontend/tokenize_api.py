@@ -5,7 +5,8 @@
   ``{count, max_model_len, tokens, token_strs}``. A conversation is rendered with the model's chat template
   and, unless ``add_special_tokens`` says otherwise, encoded exactly as a chat request would be (BOS unless
   the template wrote it), so ``count`` is what ``usage.prompt_tokens`` will say. ``token_strs`` (the
-  vocabulary's strings of the tokens) only with ``return_token_strs``, else null.
+  vocabulary's strings of the tokens, special tokens as declared: ``"<|start_story|>"``) only with
+  ``return_token_strs``, else null.
 * ``/detokenize``: ``{model?, tokens}`` -> ``{prompt}`` (special tokens kept, so BOS round-trips).
 * ``/version``: ``{"version": splitserve.__version__}``.
 
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -53,6 +54,12 @@ class TokenizeChatRequest(BaseModel):
     add_special_tokens: bool | None = None
     return_token_strs: bool = False
 
+    @model_validator(mode="after")
+    def _check_messages(self) -> TokenizeChatRequest:
+        for i, message in enumerate(self.messages):
+            message.check(f"messages[{i}]")  # the rules of a chat request
+        return self
+
 
 class DetokenizeRequest(BaseModel):
     """``/detokenize``."""
@@ -78,6 +85,9 @@ class TokenizeAPI:
         self.tokenizer = model_info.tokenizer
         self.offload = offload
         self.max_body_bytes = max_body_bytes
+        # id -> content of the tokenizer file's added tokens: tokenizers' id_to_token gives an added token declared
+        # "normalized" in its normalized form (SentencePiece's "▁" prefixed: "▁<|start_story|>")
+        self._added = {i: t.content for i, t in self.tokenizer.hf.get_added_tokens_decoder().items()}
 
     async def tokenize(self, request: Request) -> Response:
         """``POST /tokenize``."""
@@ -107,8 +117,14 @@ class TokenizeAPI:
                               add_generation_prompt=req.add_generation_prompt, add_special_tokens=req.add_special_tokens)
         else:
             ids = list(self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
-        strs = [self.tokenizer.hf.id_to_token(t) for t in ids] if req.return_token_strs else None
+        strs = [self._token_str(t) for t in ids] if req.return_token_strs else None
         return {"count": len(ids), "max_model_len": self.info.max_model_len, "tokens": ids, "token_strs": strs}
+
+    def _token_str(self, token_id: int) -> str:
+        """The token's string: an added (special) token's content as the tokenizer file declares it, else the
+        vocabulary's piece (``"▁time"``)."""
+        added = self._added.get(token_id)
+        return added if added is not None else self.tokenizer.hf.id_to_token(token_id)
 
     def _detokenize(self, body: bytes) -> dict[str, Any]:
         req = v.parse_request(body, DetokenizeRequest, {})

@@ -112,6 +112,8 @@ def _readable(e: ValidationError) -> APIError:
     err = e.errors(include_url=False)[0]
     cause = (err.get("ctx") or {}).get("error")
     if isinstance(cause, FieldError):
+        if cause.missing:
+            return APIError(f"Missing required parameter: '{cause.param}'.", param=cause.param)
         return APIError(f"Invalid value for '{cause.param}': {cause}", param=cause.param)
     parts = [
         str(p) for p in err["loc"] if not (isinstance(p, str) and ("[" in p or p in _TYPE_TAGS or "-" in p))
@@ -191,31 +193,31 @@ def completion_prompt(req: CompletionRequest) -> str | list[int]:
 
 
 def sampling_request(req: GenerationRequest, max_tokens: int | None, *, n: int | None = None,
-                     logprobs: int | None = None, prompt_logprobs: int | None = None) -> SamplingRequest:
+                     logprobs: int | None = None, prompt_logprobs: int | None = None,
+                     max_tokens_param: str = "max_tokens") -> SamplingRequest:
     """The request's sampling fields with OpenAI's defaults (temperature 1, top_p 1; top_k, penalties and
     min_p off); ``max_tokens`` None: all the room the prompt leaves. ``n``, ``logprobs`` and ``prompt_logprobs``
     override what the request says (best_of and echo ask the backend for more than the client sees)."""
-    return SamplingRequest(
-        max_tokens=max_tokens,
+    options = dict(
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
         top_k=-1 if req.top_k is None else req.top_k,
         seed=req.seed,
         stop_token_ids=tuple(req.stop_token_ids or ()),
         ignore_eos=req.ignore_eos,
-        stop=tuple(req.stop_list()),
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         min_p=req.min_p or 0.0,
         min_tokens=req.min_tokens,
         logit_bias=req.logit_bias_pairs(),
-        bad_words=tuple(req.bad_words or ()),
         allowed_token_ids=None if req.allowed_token_ids is None else tuple(req.allowed_token_ids),
         logprobs=req.num_logprobs if logprobs is None else logprobs,
         prompt_logprobs=req.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
         n=req.n if n is None else n,
     )
+    return SamplingRequest(options, max_tokens=max_tokens, max_tokens_param=max_tokens_param,
+                           stop=tuple(req.stop_list()), bad_words=tuple(req.bad_words or ()))
 
 
 def completion_sampling(req: CompletionRequest, default_max_tokens: int) -> SamplingRequest:
@@ -237,4 +239,5 @@ def completion_sampling(req: CompletionRequest, default_max_tokens: int) -> Samp
 
 def chat_sampling(req: ChatCompletionRequest) -> SamplingRequest:
     """Sampling of a chat request (``max_completion_tokens`` wins over ``max_tokens``)."""
-    return sampling_request(req, req.requested_max_tokens)
+    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    return sampling_request(req, req.requested_max_tokens, max_tokens_param=param)
