@@ -227,3 +227,34 @@ def test_choice_sampling_and_continuation_ids():
     assert not one.HasField("prompt_logprobs") and one.n == 0 and one.seed == 1 and one.logprobs == 1
     assert msg.n == 3 and msg.HasField("prompt_logprobs")  # the original is unchanged
     assert continuation_id("r" * 300, 12, 3) == "r" * (256 - 6) + "~m3c12"
+
+
+async def test_merge_interleaves_raises_the_first_error_and_closes_every_stream():
+    from splitserve.services.router.merge import merge
+
+    closed: list[str] = []
+
+    async def stream(name: str, items: list, fail: bool = False, hang: bool = False):
+        try:
+            for item in items:
+                await asyncio.sleep(0)
+                yield item
+            if fail:
+                raise WorkerUnavailable(f"{name} failed")
+            if hang:
+                await asyncio.sleep(3600)
+        finally:
+            closed.append(name)
+
+    got = [x async for x in merge([stream("a", [1, 2, 3]), stream("b", [10, 20])])]
+    assert sorted(got) == [1, 2, 3, 10, 20] and got.index(1) < got.index(2) < got.index(3) and got.index(10) < got.index(20)
+    closed.clear()
+    with pytest.raises(WorkerUnavailable, match="b failed"):
+        async for _ in merge([stream("a", [1], hang=True), stream("b", [2], fail=True)]):
+            pass
+    assert sorted(closed) == ["a", "b"]  # the hanging stream was closed too
+    closed.clear()
+    merged = merge([stream("a", [1], hang=True), stream("b", [2], hang=True)])
+    await anext(merged)
+    await merged.aclose()  # the consumer leaves: every stream is closed before aclose returns
+    assert sorted(closed) == ["a", "b"]
