@@ -1,8 +1,10 @@
 """Chaos on real processes: a router, 2 prefill and 2 decode workers (gRPC over mutual TLS, API key, KV over
 UCX with checksums) plus a prefill worker that corrupts every KV transfer it serves (fault injection, not
 behind the router). Workers are killed (SIGKILL), stopped (SIGSTOP) and restarted with an unreachable KV
-data endpoint; clients cancel, disconnect and let deadlines expire. After every test, every live worker's
-KV pool is back to its baseline and no stream is open anywhere.
+data endpoint; clients cancel, disconnect and let deadlines expire. Decode migration is off here
+(``--decode-migrations 0``: a decode worker killed mid-stream ends its streams with UNAVAILABLE; on:
+tests/test_migration_cluster.py). After every test, every live worker's KV pool is back to its baseline and no
+stream is open anywhere.
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ class Chaos:
         self.tls = TlsConfig(self.pki.cert, self.pki.key, self.pki.ca, client_auth=True)
         self._channels: dict = {}
         env = {**TEST_ENV, **tls_env(self.pki), "PD_API_KEY": API_KEY, "PD_KV_CHECKSUM": "1",
-               "PD_KV_TRANSFER_TIMEOUT_S": str(KV_TIMEOUT_S)}
+               "PD_KV_TRANSFER_TIMEOUT_S": str(KV_TIMEOUT_S),
+               "PD_DECODE_MIGRATIONS": "0"}  # migration off: a decode worker's death mid-stream is an error (the old way)
         self.cluster, http_port, grpc_port = build_cluster(
             model=str(default_model_path()), num_prefill=2, num_decode=2, http_port=0, grpc_port=0,
             worker_args=["--kv-cache-mb", "32"], env=env)

@@ -1,9 +1,9 @@
 """Hung workers and graceful shutdown on real processes: a router, 2 prefill and 2 decode workers with a 1 s gRPC
 keepalive (a hung peer is detected within ~2 s) and engine steps slowed by 5 ms (streams surely in flight).
 
-* a decode worker SIGSTOPped with streams in flight: its streams end with UNAVAILABLE / an SSE error event within
-  seconds, the others finish untouched, the router marks it down and routes around it, and after SIGCONT it is
-  back in rotation;
+* a decode worker SIGSTOPped with streams in flight (decode migration off, ``--decode-migrations 0``; on:
+  tests/test_migration_cluster.py): its streams end with UNAVAILABLE / an SSE error event within seconds, the
+  others finish untouched, the router marks it down and routes around it, and after SIGCONT it is back in rotation;
 * a prefill worker SIGSTOPped with requests routed to it: they are retried on the other one (the client sees
   nothing), and after SIGCONT it serves again;
 * SIGTERM to a decode worker with streams in flight: NOT_SERVING at once, new work refused with UNAVAILABLE (the
@@ -50,7 +50,8 @@ PROMPTS = [
 class Live:
     def __init__(self) -> None:
         env = {"PD_GRPC_KEEPALIVE_TIME_S": str(KEEPALIVE_S), "PD_GRPC_KEEPALIVE_TIMEOUT_S": str(KEEPALIVE_S),
-               "PD_SHUTDOWN_GRACE_S": "60", "PD_FAULT_STEP_DELAY_MS": str(STEP_DELAY_MS)}
+               "PD_SHUTDOWN_GRACE_S": "60", "PD_FAULT_STEP_DELAY_MS": str(STEP_DELAY_MS),
+               "PD_DECODE_MIGRATIONS": "0"}  # migration off: a hung decode worker's streams end with an error
         self.cluster, self.base_url, self.router = start_cluster(
             num_prefill=2, num_decode=2, store_nodes=0, worker_args=["--kv-cache-mb", "32"], env=env)
         self.p0, self.p1, self.d0, self.d1, self.router_child = self.cluster.children

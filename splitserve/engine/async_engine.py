@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+from collections.abc import Sequence as Seq
 from typing import AsyncIterator
 
 import torch
@@ -21,6 +22,7 @@ from splitserve.engine.core import EngineCore, RequestOutput
 from splitserve.engine.guided import GuidedMatcher
 from splitserve.engine.prefill_output import PrefillOutput  # re-exported: callers import it from here
 from splitserve.engine.owned_blocks import OwnedBlocks
+from splitserve.engine.resume import resume_sequence
 from splitserve.engine.runner import ModelRunner
 from splitserve.engine.sampling import SamplingParams
 from splitserve.engine.scheduler import Scheduler, SchedulerConfig
@@ -193,13 +195,22 @@ class AsyncEngine:
         return make_matcher(params.guided, self.lm.tokenizer, self.lm.config.vocab_size, self.lm.eos_token_ids)
 
     # --- public API ----------------------------------------------------------------------
-    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 resume_output_token_ids: Seq[int] = ()) -> AsyncIterator[RequestOutput]:
         """Prefill and decode here; yields one RequestOutput per step and choice. Closing the iterator aborts.
 
         n > 1 (``params.n``): one prefill samples every choice's first token (outputs index 0..n-1, in order), then
         the choices decode as forked sequences sharing the prompt's KV blocks (``decode_prefilled``); the
-        stream ends when every choice has finished. Raises InvalidRequest (bad prompt, too big, bad grammar)."""
+        stream ends when every choice has finished.
+
+        ``resume_output_token_ids`` (one choice, n = 1): continue a choice that already generated these tokens
+        elsewhere; they count as its output (``splitserve.engine.resume``) and the stream yields the tokens after
+        them. Raises InvalidRequest (bad prompt, too big, bad grammar, a resume that cannot continue)."""
         self._validate(prompt_token_ids, params)
+        if resume_output_token_ids:
+            seq = resume_sequence(request_id, prompt_token_ids, params, resume_output_token_ids, self.lm.config.vocab_size,
+                                  self.core.scheduler.stop_reason, self._matcher(params))
+            return self.run_sequences([seq])
         if params.n > 1:
             return generate_choices(self, request_id, prompt_token_ids, params)
         seq = Sequence(request_id, list(prompt_token_ids), params, SeqMode.GENERATE)

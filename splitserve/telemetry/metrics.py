@@ -130,6 +130,9 @@ ROUTER_WORKER_PICKS = Counter(
 ROUTER_FAILOVERS = Counter(
     "splitserve:router_failovers", "Attempts moved to another worker (or to local prefill) after a worker failed before "
     "the first token.", ["role"], registry=None)
+ROUTER_DECODE_MIGRATIONS = Counter(
+    "splitserve:router_decode_migrations", "Choices whose decode stream moved to another decode worker after its "
+    "worker failed mid-stream (reason: the failure's status code, or STALLED).", ["reason"], registry=None)
 DISAGG_THRESHOLD = Gauge(
     "splitserve:disagg_threshold_tokens", "Current uncached-prompt-token threshold below which requests are prefilled "
     "on the decode worker (fixed or derived by the auto cost model).", registry=None)
@@ -141,5 +144,5 @@ DISAGG_TRANSFER_SECONDS_PER_TOKEN = Gauge(
     registry=None)
 DISAGG_TRANSFER_OVERHEAD = Gauge(
     "splitserve:disagg_transfer_overhead_seconds", "Measured fixed cost of one KV handoff (regression intercept).", registry=None)
-GROUPS["router"] = (ROUTER_WORKER_UP, ROUTER_WORKER_PICKS, ROUTER_FAILOVERS, DISAGG_THRESHOLD,
+GROUPS["router"] = (ROUTER_WORKER_UP, ROUTER_WORKER_PICKS, ROUTER_FAILOVERS, ROUTER_DECODE_MIGRATIONS, DISAGG_THRESHOLD,
                     DISAGG_PREFILL_SECONDS_PER_TOKEN, DISAGG_TRANSFER_SECONDS_PER_TOKEN, DISAGG_TRANSFER_OVERHEAD)

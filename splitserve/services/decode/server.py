@@ -59,7 +59,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 request.request_id, list(request.prompt_token_ids), sampling_from_proto(request.sampling),
                 request.first_token_id if request.HasField("first_token_id") else None,
                 handle_from_proto(request.kv_handle) if request.HasField("kv_handle") else None,
-                context.time_remaining(), tuple(request.first_token_ids),
+                context.time_remaining(), tuple(request.first_token_ids), tuple(request.resume_output_token_ids),
             )
             recomputed_sent = False
             async with contextlib.aclosing(self.worker.decode(job)) as run:

@@ -16,7 +16,8 @@ Lifecycle of one request (:meth:`DecodeWorker.decode`):
    engine forks n sequences over the one prompt KV, each continuing from its own first token; outputs carry the
    choice ``index`` (and logprobs when asked). Finish, cancel, deadline or error frees the blocks. Without a KV
    handle the request is prefilled here (``generate``; its stream starts with the first tokens, and the prompt's
-   logprobs when asked).
+   logprobs when asked). With ``resume_output_token_ids`` (decode migration) the prompt and those output tokens are
+   prefilled here and the stream carries the tokens after them (``splitserve.engine.resume``).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class DecodeJob:
     handle: KVHandle | None = None  # where the prompt's KV is; None: prefill here
     time_remaining: float | None = None  # seconds left of the caller's deadline (None: none)
     first_token_ids: tuple[int, ...] = ()  # every choice's first token (``params.n`` of them); (): (first_token_id,)
+    resume_output_token_ids: tuple[int, ...] = ()  # migration: the choice's output so far (no handle; prefilled here)
 
     @property
     def first_tokens(self) -> list[int]:
@@ -116,7 +118,7 @@ class DecodeWorker:
             self._check(job)
             if job.handle is None:
                 self.num_local_prefills += 1
-                stream = self.engine.generate(job.request_id, job.prompt_token_ids, job.params)
+                stream = self.engine.generate(job.request_id, job.prompt_token_ids, job.params, job.resume_output_token_ids)
                 async with contextlib.aclosing(observe_decode(stream, job.request_id, local_prefill=True)) as observed:
                     async for out in observed:  # closing it aborts the request in the engine at once
                         yield out
@@ -148,6 +150,8 @@ class DecodeWorker:
         if not job.request_id or len(job.request_id) > MAX_REQUEST_ID_LEN:
             raise InvalidRequest(f"request_id is required (1..{MAX_REQUEST_ID_LEN} characters)")
         h = job.handle
+        if job.resume_output_token_ids and h is not None:
+            raise InvalidRequest("resume_output_token_ids need a local prefill: send no kv_handle")
         if h is None:
             return
         first = job.first_tokens

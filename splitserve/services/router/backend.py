@@ -8,7 +8,8 @@ Per request (:meth:`RoutedBackend.generate`):
    prompt tokens, prefill remotely with retries on other prefill workers, else fall back to local prefill.
 3. Decode leg (:mod:`.decode_leg`): stream the tokens from the decode worker (with the prefill's KV handle, or
    prefilling locally), retrying on another decode worker until the stream starts, under a stall guard; KV no
-   decode worker pulled is released on exit (:mod:`.kv_release`).
+   decode worker pulled is released on exit (:mod:`.kv_release`). A stream whose worker dies or stalls after tokens
+   flowed continues on another decode worker from the tokens already sent (:mod:`.migration`).
 
 Events: a remote prefill gives one TokenEvent per choice first (``index`` i, choice i's first token and its logprob,
 the prompt's logprobs on the very first event), then the decode stream's events (``index``, logprobs); with n > 1
@@ -56,16 +57,18 @@ class RoutedBackend:
         local_prefill_fallback: prefill on the decode worker when no prefill worker is up or succeeded
             (off: such requests fail with UNAVAILABLE).
         decode_stall_timeout_s: a decode stream with no message for this long fails as UNAVAILABLE (None: no limit).
+        decode_migrations: times a choice's stream may move to another decode worker after its worker failed
+            mid-stream (:mod:`.migration`; 0: off, the request ends with the failure's typed error).
 
     Attributes:
-        counters: request, retry, fallback, stall and KV release counts (:meth:`stats`).
+        counters: request, retry, fallback, stall, migration and KV release counts (:meth:`stats`).
         streams_open: requests being generated now.
     """
 
     def __init__(self, registry: WorkerRegistry, policy: Policy | None = None, disagg: DisaggregationPolicy | None = None,
                  *, prefill_timeout_s: float = 60.0, prefill_attempts: int = 2, decode_attempts: int = 2,
                  wait_for_workers_s: float = 5.0, local_prefill_fallback: bool = True,
-                 decode_stall_timeout_s: float | None = 60.0) -> None:
+                 decode_stall_timeout_s: float | None = 60.0, decode_migrations: int = 1) -> None:
         self.registry = registry
         self.policy = policy or RoundRobin()
         self.disagg = disagg or DisaggregationPolicy("always")
@@ -74,6 +77,7 @@ class RoutedBackend:
         self.wait_for_workers_s = wait_for_workers_s
         self.local_prefill_fallback = local_prefill_fallback
         self.decode_stall_timeout_s = decode_stall_timeout_s
+        self.decode_migrations = max(decode_migrations, 0)
         self.counters: Counter[str] = Counter()
         self.streams_open = 0
         self.kv_release = KVRelease(self.counters)

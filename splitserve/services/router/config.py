@@ -31,6 +31,7 @@ class RouterConfig:
     miss_limit: int = 2  # missed heartbeats before a worker leaves rotation
     prefill_attempts: int = 2  # distinct prefill workers tried before local prefill on the decode worker
     decode_attempts: int = 2  # distinct decode workers tried before the stream starts
+    decode_migrations: int = 1  # moves of a choice's stream to another decode worker after a mid-stream failure; 0 = off
     local_prefill_fallback: bool = True  # all prefill attempts failed: the decode worker prefills
     request_timeout_s: float | None = None  # deadline of each HTTP request; None = none (gRPC: the caller's)
     api_key: str | None = None  # Bearer key for the HTTP API and RouterService; None = open
@@ -60,6 +61,8 @@ class RouterConfig:
             raise ValueError(f"--disagg must be 'always', 'auto' or a token count, got {self.disagg!r}")
         if self.poll_interval_s <= 0 or self.miss_limit < 1 or self.prefill_attempts < 1 or self.decode_attempts < 1:
             raise ValueError("--poll-interval-s must be > 0; --miss-limit and the attempt counts >= 1")
+        if self.decode_migrations < 0:
+            raise ValueError(f"--decode-migrations must be >= 0 (0: off), got {self.decode_migrations}")
         if self.request_timeout_s is not None and self.request_timeout_s <= 0:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
 
@@ -105,6 +108,9 @@ def parse(argv: list[str] | None = None) -> RouterConfig:
                     help="distinct prefill workers tried per request before the fallback")
     ap.add_argument("--decode-attempts", type=int, default=env_int("PD_DECODE_ATTEMPTS", 2),
                     help="distinct decode workers tried per request before its stream starts")
+    ap.add_argument("--decode-migrations", type=int, default=env_int("PD_DECODE_MIGRATIONS", 1),
+                    help="times a stream may move to another decode worker when its worker dies or stalls mid-stream, "
+                         "continuing token-exact from the tokens already sent (0: off, the stream ends with an error)")
     ap.add_argument("--local-prefill-fallback", action=argparse.BooleanOptionalAction,
                     default=env_bool("PD_LOCAL_PREFILL_FALLBACK", True),
                     help="when no prefill worker succeeds, let the decode worker prefill")
@@ -122,7 +128,7 @@ def parse(argv: list[str] | None = None) -> RouterConfig:
         model=a.model, prefill=a.prefill, decode=a.decode, host=a.host, http_port=a.http_port,
         grpc_port=a.grpc_port, served_model_name=a.served_model_name, prefill_timeout_s=a.prefill_timeout_s,
         policy=a.policy, disagg=a.disagg.strip().lower(), poll_interval_s=a.poll_interval_s, miss_limit=a.miss_limit,
-        prefill_attempts=a.prefill_attempts, decode_attempts=a.decode_attempts,
+        prefill_attempts=a.prefill_attempts, decode_attempts=a.decode_attempts, decode_migrations=a.decode_migrations,
         local_prefill_fallback=a.local_prefill_fallback, request_timeout_s=a.request_timeout_s,
         api_key=a.api_key, tls=tls_config(a), decode_stall_timeout_s=a.decode_stall_timeout_s,
         keepalive=keepalive_config(a), shutdown_grace_s=a.shutdown_grace_s, http=HttpLimits.from_env(),

@@ -6,8 +6,10 @@
 2. A decode worker that fails before its stream starts (UNAVAILABLE, deadline, overload, internal) is left for
    another one (at most ``decode_attempts`` workers in all); the KV handle stays valid meanwhile (the prefill
    worker holds the KV on a lease). An unreachable worker also leaves the rotation.
-3. Once tokens flow, a failure ends the request with its typed error (an SSE error event / a gRPC status at the
-   front doors), never a hang, and is not retried (tokens were already sent).
+3. Once tokens flow, a failure the router may retry (the worker died, stalled or fails) moves the unfinished choices
+   to other decode workers, each continuing from the tokens already sent (:mod:`~splitserve.services.router.migration`,
+   at most ``decode_migrations`` moves per choice); otherwise the request ends with its typed error (an SSE error
+   event / a gRPC status at the front doors), never a hang.
 4. Stall guard: a stream that sends nothing for ``decode_stall_timeout_s`` fails as UNAVAILABLE
    (:mod:`~splitserve.services.router.stall`) and its worker leaves the rotation, before or after the first token.
 5. Release on exit: when no decode stream started (all failed, the client left, the deadline passed), or the decode
@@ -18,6 +20,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -34,6 +37,7 @@ from splitserve.rpc.status import error_from_rpc
 from splitserve.services.router.prefill_leg import RemotePrefill
 from splitserve.services.router.registry import DECODE, WorkerState
 from splitserve.services.router.retry import DOWN, retryable
+from splitserve.services.router.migration import continue_choices
 from splitserve.services.router.stall import stall_guard
 from splitserve.telemetry.metrics import DISAGG_DECISIONS, ROUTER_FAILOVERS
 
@@ -56,24 +60,38 @@ class DecodeLeg:
         decode: the decode worker picked first.
         remote: the prefill leg's result; None: the decode worker prefills locally.
         deadline: absolute ``time.monotonic()`` seconds, or None.
+        resume: a migration's continuation (:mod:`~splitserve.services.router.migration`): ``(choice index, the
+            tokens that choice already generated)``; ``sampling`` is then that choice's alone.
+        migrations: how many times this choice's stream already moved (a continuation's count).
+        tried: workers that already failed this request (never picked again).
 
     Attributes:
-        started: a decode stream sent its first message (from then on a failure is not retried).
+        started: a decode stream sent its first message (from then on a failure is not retried; it may migrate).
+        generated: per choice index, the tokens passed on so far (a continuation's history first).
     """
 
     def __init__(self, router: RoutedBackend, request_id: str, prompt: list[int], sampling: common_pb2.SamplingParams,
-                 decode: WorkerState, remote: RemotePrefill | None, deadline: float | None) -> None:
+                 decode: WorkerState, remote: RemotePrefill | None, deadline: float | None, *,
+                 resume: tuple[int, list[int]] | None = None, migrations: int = 0, tried: set[str] = frozenset()) -> None:
         self.router = router
         self.request_id = request_id
         self.prompt = prompt
+        self.sampling = sampling
         self.decode = decode
         self.remote = remote
         self.deadline = deadline
-        self.tried: set[str] = set()
+        self.tried: set[str] = set(tried)
+        self.attempts = 0  # decode workers this leg called
         self.started = False
+        self.migrations = migrations
         self.logprobs = sampling.HasField("logprobs")
-        self.open_choices = set(range(sampling.n or 1))  # choices without a finish_reason yet
-        if remote is None:
+        self.choice = None if resume is None else resume[0]  # a continuation's stream (index 0) is this choice
+        self.generated: dict[int, list[int]] = {} if resume is None else {resume[0]: list(resume[1])}
+        self.open_choices = set(range(sampling.n or 1)) if resume is None else {resume[0]}  # without a finish_reason yet
+        if resume is not None:
+            self.request = decode_pb2.DecodeRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
+                                                    resume_output_token_ids=resume[1])
+        elif remote is None:
             self.request = decode_pb2.DecodeRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling)
         else:
             first = remote.first_token_ids
@@ -89,16 +107,19 @@ class DecodeLeg:
             PdError: the typed error of a failure that was not (or could no longer be) moved to another worker.
         """
         remote = self.remote
-        DISAGG_DECISIONS.labels("local_prefill" if remote is None else "remote_prefill").inc()
+        if self.choice is None:
+            DISAGG_DECISIONS.labels("local_prefill" if remote is None else "remote_prefill").inc()
         try:
             if remote is not None:  # inside the try: a client gone after the first token still releases the KV
                 for ev in remote.first_events():
                     if ev.finish_reason is not None:
                         self.open_choices.discard(ev.index)
+                    self.generated.setdefault(ev.index, []).extend(ev.token_ids)
                     yield ev
             while True:
                 w = self.decode
                 w.inflight_requests += 1
+                self.attempts += 1
                 t0 = time.monotonic()
                 call = w.stub.Decode(self.request, timeout=hop_timeout(self.deadline))
                 try:
@@ -110,7 +131,11 @@ class DecodeLeg:
                             yield ev
                     return
                 except (grpc.aio.AioRpcError, StreamStalled) as exc:
-                    self.decode = self._next_worker(exc)  # raises when the request cannot move
+                    nxt = self._next_worker(exc)  # raises when the request cannot move
+                    if nxt is None:  # mid-stream: the unfinished choices continue elsewhere
+                        err, _, reason = self._failure(exc)
+                        break
+                    self.decode = nxt
                 finally:
                     w.inflight_requests -= 1
                     if not call.done():
@@ -118,12 +143,18 @@ class DecodeLeg:
         finally:
             if remote is not None and not self.started:
                 self.router.kv_release.soon(remote.worker, remote.response.kv_handle.transfer_id)  # survives our cancel
+        if self.open_choices:
+            async with contextlib.aclosing(continue_choices(self, err, reason)) as events:
+                async for ev in events:
+                    yield ev
 
     def _first_message(self, msg: decode_pb2.DecodeResponse, seconds: float) -> None:
         """The stream started: free KV the decode worker recomputed instead of pulling, and feed the disaggregation
         cost model (``seconds`` from the Decode call to this message)."""
         self.started = True
         router, remote = self.router, self.remote
+        if self.choice is not None:  # a continuation: no prefill decision to learn from
+            return
         if remote is None:
             router.disagg.observe_local_prefill(len(self.prompt) - msg.cached_tokens, seconds)
             router.policy.record(self.decode, self.prompt)
@@ -134,35 +165,47 @@ class DecodeLeg:
         router.disagg.observe_transfer(len(self.prompt), seconds)
 
     async def _event(self, call: grpc.aio.UnaryStreamCall, msg: decode_pb2.DecodeResponse) -> TokenEvent | None:
-        """``msg`` as a TokenEvent; None for a choice that has already finished."""
-        if msg.index not in self.open_choices:
+        """``msg`` as a TokenEvent (its tokens recorded in ``generated``); None for a choice that has already finished.
+        A continuation's events carry its choice's index and no cached_tokens (the request's usage was counted)."""
+        index = msg.index if self.choice is None else self.choice
+        if index not in self.open_choices:
             return None
         finish = FINISH_FROM_PROTO[msg.finish_reason]
         if finish is not None:
-            self.open_choices.discard(msg.index)
+            self.open_choices.discard(index)
             if not self.open_choices:  # the last choice: let the stream end by itself (a cancel would race its OK)
                 await asyncio.wait([asyncio.ensure_future(call.code())], timeout=_FINISH_WAIT_S)
         prompt = prompt_logprobs_from_proto(msg.prompt_logprobs) if msg.HasField("prompt_logprobs") else None
-        return TokenEvent(list(msg.token_ids), finish, msg.cached_tokens, index=msg.index,
+        self.generated.setdefault(index, []).extend(msg.token_ids)
+        return TokenEvent(list(msg.token_ids), finish, msg.cached_tokens if self.choice is None else 0, index=index,
                           logprobs=logprobs_from_proto(msg.logprobs, self.logprobs), prompt_logprobs=prompt)
 
-    def _next_worker(self, exc: grpc.aio.AioRpcError | StreamStalled) -> WorkerState:
-        """The decode worker to try after ``exc`` on the current one (an unreachable or stalled worker leaves the
-        rotation first). Raises ``exc`` as a typed error when the request cannot move: its stream had started, the
-        failure is not retryable, ``decode_attempts`` are used up, or no other worker is up."""
-        router, w = self.router, self.decode
+    def _failure(self, exc: grpc.aio.AioRpcError | StreamStalled) -> tuple[PdError, grpc.StatusCode, str]:
+        """(typed error, status code, reason) of a failed decode call; ``exc`` itself for a stall."""
         if isinstance(exc, StreamStalled):  # silent for too long: as if the worker were unreachable
-            code, reason, err = grpc.StatusCode.UNAVAILABLE, "STALLED", exc
+            return exc, grpc.StatusCode.UNAVAILABLE, "STALLED"
+        return error_from_rpc(exc, f"decode worker {self.decode.address}"), exc.code(), exc.code().name
+
+    def _next_worker(self, exc: grpc.aio.AioRpcError | StreamStalled) -> WorkerState | None:
+        """The decode worker to try after ``exc`` on the current one (an unreachable or stalled worker leaves the
+        rotation first); None when the stream had started and its unfinished choices may migrate (a retryable
+        failure, time left, fewer than ``decode_migrations`` moves so far; every choice finished: nothing to move).
+        Raises ``exc`` as a typed error when the request cannot move: the failure is not retryable, the stream had
+        started and may not migrate, ``decode_attempts`` are used up, or no other worker is up."""
+        router, w = self.router, self.decode
+        err, code, reason = self._failure(exc)
+        if isinstance(exc, StreamStalled):
             router.counters["decode_stalls"] += 1
-        else:
-            code, reason = exc.code(), exc.code().name
-            err = error_from_rpc(exc, f"decode worker {w.address}")
         if code in DOWN:  # unreachable, hung, stalled or draining: out of rotation, even mid-stream
             router.registry.mark_failed(w, reason)
-        if self.started or not retryable(code, self.deadline):
-            _raise(err, exc)
         self.tried.add(w.address)
-        nxt = router.pick(DECODE, self.prompt, self.tried) if len(self.tried) < router.decode_attempts else None
+        if self.started and not self.open_choices:  # the failure came after every choice's last token
+            return None
+        if not retryable(code, self.deadline) or (self.started and self.migrations >= router.decode_migrations):
+            _raise(err, exc)
+        if self.started:
+            return None
+        nxt = router.pick(DECODE, self.prompt, self.tried) if self.attempts < router.decode_attempts else None
         if nxt is None:
             _raise(err, exc)
         ROUTER_FAILOVERS.labels(DECODE).inc()
