@@ -30,6 +30,7 @@ commands:
   up         start router + prefill + decode workers + KV store as local processes (Ctrl-C stops them all)
   prefill    run one prefill worker
   decode     run one decode worker
+  worker     run one worker that serves prefill, decode or both and can switch role in place (SetRole)
   router     run the router (OpenAI HTTP API + gRPC RouterService)
   kvstore-master  run the KV store metadata master
   kvstore-node    run a KV store storage node (a memory segment served over UCX)
@@ -45,6 +46,7 @@ commands:
 SERVERS = {
     "prefill": ("splitserve.services.prefill.main", "splitserve.services.prefill.config"),
     "decode": ("splitserve.services.decode.main", "splitserve.services.decode.config"),
+    "worker": ("splitserve.services.worker.main", "splitserve.services.worker.config"),
     "router": ("splitserve.services.router.main", "splitserve.services.router.config"),
     "colocated": ("splitserve.colocated.main", "splitserve.colocated.main"),
     "kvstore-master": ("splitserve.services.kvstore.master.main", "splitserve.services.kvstore.master.config"),

@@ -30,6 +30,8 @@ class UpConfig:
 
     model: HF folder, ``.gguf`` file or ``synthetic:<name>``, for every process.
     num_prefill, num_decode: worker processes of each role (>= 1).
+    elastic: every worker is a `splitserve worker` whose role can change in place (started as prefill or decode as
+        ``num_prefill``/``num_decode`` say); the router gets them as ``--workers``.
     host: address every process listens on. http_port, grpc_port: the router's (0: any free port).
     transport, block_size, kv_cache_mb, kv_transfer_mode, dtype, max_model_len: passed to every worker (block_size
         and max_model_len in tokens, kv_cache_mb in MiB; dtype "auto" = the checkpoint's, max_model_len 0 = the model's).
@@ -74,6 +76,7 @@ class UpConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 0  # 0: the engine's default for the chunking mode
     enable_chunked_prefill: bool = False
+    elastic: bool = False
 
     def __post_init__(self) -> None:
         if self.num_prefill < 1 or self.num_decode < 1:
@@ -167,6 +170,9 @@ def parse(argv: list[str] | None = None) -> UpConfig:
                          f"PD_API_KEY (a flag shows in ps) {SECRET_DEFAULT}")
     ap.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
     ap.add_argument("--decode", type=int, default=1, help="number of decode workers")
+    ap.add_argument("--elastic", action="store_true", default=env_bool("PD_ELASTIC"),
+                    help="start every worker as `splitserve worker`: its role can change in place (SetRole, the "
+                         "router's --planner) (PD_ELASTIC)")
     ap.add_argument("--host", default="127.0.0.1", help="address every process listens on")
     ap.add_argument("--http-port", type=int, default=env_int("PD_HTTP_PORT", 8000),
                     help="router's OpenAI HTTP port (PD_HTTP_PORT; 0: any free port)")
@@ -223,4 +229,5 @@ def parse(argv: list[str] | None = None) -> UpConfig:
         otlp_endpoint=otlp, tls=tls_config(a), served_model_name=a.served_model_name, api_key=a.api_key,
         prefill_cpus=a.prefill_cpus, decode_cpus=a.decode_cpus, max_num_seqs=a.max_num_seqs,
         max_num_batched_tokens=a.max_num_batched_tokens, enable_chunked_prefill=a.enable_chunked_prefill,
+        elastic=a.elastic,
     )

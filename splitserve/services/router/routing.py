@@ -16,7 +16,7 @@ from splitserve.services.router.registry import WorkerRegistry
 def build_backend(config: RouterConfig) -> RoutedBackend:
     """The router's backend for ``config`` (call ``start()`` inside the event loop)."""
     registry = WorkerRegistry(list(config.prefill), list(config.decode), poll_interval_s=config.poll_interval_s,
-                              miss_limit=config.miss_limit, tls=config.tls)
+                              miss_limit=config.miss_limit, tls=config.tls, workers=list(config.workers))
     return RoutedBackend(registry, make_policy(config.policy), DisaggregationPolicy(config.disagg),
                          prefill_timeout_s=config.prefill_timeout_s, prefill_attempts=config.prefill_attempts,
                          decode_attempts=config.decode_attempts, local_prefill_fallback=config.local_prefill_fallback,
