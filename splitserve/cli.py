@@ -189,7 +189,8 @@ def _up_banner(config, cluster, http_port: int, grpc_port: int) -> str:
     otlp = a.otlp_endpoint or env("OTEL_EXPORTER_OTLP_ENDPOINT")
     traces = f"OTLP to {otlp}" if otlp and env("OTEL_SDK_DISABLED", "").lower() != "true" else "off (--trace to export them)"
     return (
-        f"\nsplitserve is up: {a.num_prefill} prefill + {a.num_decode} decode workers, model {a.model}\n"
+        f"\nsplitserve is up: {a.num_prefill} prefill + {a.num_decode} decode workers"
+        f"{(' (role can change' + (', planner on)' if a.planner else ')')) if a.elastic else ''}, model {a.model}\n"
         f"  OpenAI API : {base}\n  gRPC       : {a.host}:{grpc_port} (pd.v1.RouterService){grpc_security}\n"
         f"  Metrics    : {metrics}\n  Traces     : {traces}\n{store}\n"
         f"try:\n{key_note}  curl -sN {base}/completions -H 'Content-Type: application/json'"

@@ -14,6 +14,7 @@ from splitserve.rpc.keepalive import KeepaliveConfig, add_keepalive_args, keepal
 from splitserve.rpc.shutdown import DEFAULT_GRACE_S, add_shutdown_args, check_grace
 from splitserve.rpc.tls import TlsConfig, add_tls_args, tls_config
 from splitserve.frontend.http_limits import HttpLimits
+from splitserve.services.router.planner import PlannerConfig, add_planner_args, planner_config
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +42,7 @@ class RouterConfig:
     keepalive: KeepaliveConfig = KeepaliveConfig()  # gRPC PINGs: hung workers detected
     shutdown_grace_s: float = DEFAULT_GRACE_S  # SIGTERM: in-flight requests may finish within this (0: stop at once)
     http: HttpLimits = HttpLimits()  # read deadlines and connection cap of the HTTP listener (PD_HTTP_*)
+    planner: PlannerConfig | None = None  # --planner: flips --workers between prefill and decode; None = off
 
     def __post_init__(self) -> None:
         check_grace(self.shutdown_grace_s)
@@ -128,6 +130,7 @@ def parse(argv: list[str] | None = None) -> RouterConfig:
     add_tls_args(ap)
     add_keepalive_args(ap)
     add_shutdown_args(ap)
+    add_planner_args(ap)
     a = ap.parse_args(argv)
     workers = _addresses(a.workers) if isinstance(a.workers, str) else a.workers
     if workers:  # the default addresses of born-to-one-role workers apply only without --workers
@@ -143,4 +146,5 @@ def parse(argv: list[str] | None = None) -> RouterConfig:
         local_prefill_fallback=a.local_prefill_fallback, request_timeout_s=a.request_timeout_s,
         api_key=a.api_key, tls=tls_config(a), decode_stall_timeout_s=a.decode_stall_timeout_s,
         keepalive=keepalive_config(a), shutdown_grace_s=a.shutdown_grace_s, http=HttpLimits.from_env(),
+        planner=planner_config(a),
     )

@@ -23,11 +23,15 @@ def build_backend(config: RouterConfig) -> RoutedBackend:
                          decode_stall_timeout_s=config.decode_stall_timeout_s)
 
 
-def workers_route(backend: RoutedBackend, path: str = "/v1/workers") -> Route:
-    """``GET /v1/workers``: every worker with its state (up/down), load and picks; the policy and the
-    current disaggregation threshold and cost model."""
+def workers_route(backend: RoutedBackend, path: str = "/v1/workers", planner=None) -> Route:
+    """``GET /v1/workers``: every worker with its state (up/down), role, load and picks; the policy and the
+    current disaggregation threshold and cost model; with a ``planner`` (:class:`.planner_loop.Planner`), its
+    knobs, last decision and recent decisions under ``"planner"``."""
 
     async def workers(request: Request) -> JSONResponse:
-        return JSONResponse(backend.workers_view())
+        view = backend.workers_view()
+        if planner is not None:
+            view["planner"] = planner.describe()
+        return JSONResponse(view)
 
     return Route(path, workers, methods=["GET"])
