@@ -100,8 +100,9 @@ class Decision:
     from_role: str | None = None
     to_role: str | None = None
 
-    def describe(self) -> dict:
-        return {"time_s": round(self.time, 3), "action": self.action, "want": self.want, "reason": self.reason,
+    def describe(self, origin: float = 0.0) -> dict:
+        """JSON-ready; ``time_s`` counts from ``origin`` (monotonic seconds)."""
+        return {"time_s": round(self.time - origin, 3), "action": self.action, "want": self.want, "reason": self.reason,
                 "loads": {k: round(v, 3) for k, v in self.loads.items()}, "workers": self.workers,
                 "desired_workers": self.desired, "worker": self.address, "from_role": self.from_role, "to_role": self.to_role}
 

@@ -54,6 +54,7 @@ class Planner:
         self.last: Decision | None = None
         self.log: deque[Decision] = deque(maxlen=32)  # flips and changes of want, newest last
         self.flips = 0
+        self.started = clock()  # decisions' times in describe() count from here
         self._task: asyncio.Task | None = None
 
     def signals(self) -> Signals:
@@ -127,7 +128,7 @@ class Planner:
             "config": {"slo_ttft_ms": c.slo_ttft_ms, "slo_itl_ms": c.slo_itl_ms, "quantile": c.quantile,
                        "queued_tokens_per_worker": c.queued_tokens_per_worker, "running_per_worker": c.running_per_worker,
                        "window_s": c.window_s, "cooldown_s": c.cooldown_s, "interval_s": c.interval_s, "margin": c.margin},
-            "last": self.last.describe() if self.last else None,
+            "last": self.last.describe(self.started) if self.last else None,
             "flips": self.flips,
-            "recent": [d.describe() for d in self.log],
+            "recent": [d.describe(self.started) for d in self.log],
         }
