@@ -122,7 +122,7 @@ def run_config(a, name: str, addresses: list[str], num_prefill: int, planner: bo
     s = summarize(records, duration, slo)
     by_kind = summarize_by_kind(records, duration, slo)
     p = view.get("planner") or {}
-    flips = [d for d in p.get("recent", []) if d["action"] == "flip"]
+    flips = p.get("flip_log", [])
     return {"name": name, "goodput_rps": s["goodput_rps"], "attainment": s["slo_attainment"], "errors": s["errors"],
             "requests": s["requests"], "ttft_p90_ms": s["ttft_ms"]["p90"], "tpot_p90_ms": s["tpot_ms"]["p90"],
             "by_kind": {k: {"attainment": v["slo_attainment"], "ttft_p90_ms": v["ttft_ms"]["p90"],

@@ -176,7 +176,8 @@ async def test_a_planner_tick_switches_a_worker_over_grpc(lm):
         flipped = next(w for w in workers if w.address == d.address)
         assert flipped.roles.role == PREFILL  # SetRole reached the worker
         assert d.address not in [w.address for w in registry.up(DECODE)]  # and the registry follows at once
-        assert planner.describe()["flips"] == 1 and planner.describe()["recent"][-1]["action"] == "flip"
+        view = planner.describe()
+        assert view["flips"] == 1 and view["recent"][-1]["action"] == "flip" and view["flip_log"][0]["worker"] == d.address
         await registry.poll_all()
         assert sorted(w.role for w in pool_of(registry)) == [DECODE, PREFILL, PREFILL]
         assert (await planner.tick()).action in ("hold", "no_candidate")  # decode keeps its last worker

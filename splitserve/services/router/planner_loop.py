@@ -53,6 +53,7 @@ class Planner:
         self.itl = HistogramWindow(m.INTER_TOKEN_LATENCY, config.window_s, clock)
         self.last: Decision | None = None
         self.log: deque[Decision] = deque(maxlen=32)  # flips and changes of want, newest last
+        self.flip_log: deque[Decision] = deque(maxlen=256)  # flips only
         self.flips = 0
         self.started = clock()  # decisions' times in describe() count from here
         self._task: asyncio.Task | None = None
@@ -93,6 +94,7 @@ class Planner:
             return False
         self.flips += 1
         self.log.append(d)
+        self.flip_log.append(d)
         m.PLANNER_ROLE_SWITCHES.labels(d.from_role, d.to_role).inc()
         after = {r: n + (1 if r == d.to_role else -1) for r, n in d.workers.items()}
         logger.info("planner: switched %s from %s to %s (%s; workers prefill:decode %d:%d -> %d:%d; %d draining call(s))",
@@ -122,7 +124,8 @@ class Planner:
                 pass
 
     def describe(self) -> dict:
-        """For ``GET /v1/workers``: the knobs, the last decision, the flips so far and the recent decisions."""
+        """For ``GET /v1/workers``: the knobs, the last decision, the number of flips, the recent decisions (flips and
+        changes of want) and the flips (the last 256)."""
         c = self.config
         return {
             "config": {"slo_ttft_ms": c.slo_ttft_ms, "slo_itl_ms": c.slo_itl_ms, "quantile": c.quantile,
@@ -131,4 +134,5 @@ class Planner:
             "last": self.last.describe(self.started) if self.last else None,
             "flips": self.flips,
             "recent": [d.describe(self.started) for d in self.log],
+            "flip_log": [d.describe(self.started) for d in self.flip_log],
         }
