@@ -31,6 +31,7 @@ commands:
   prefill    run one prefill worker
   decode     run one decode worker
   worker     run one worker that serves prefill, decode or both and can switch role in place (SetRole)
+  role       read or switch the role of a running worker (`splitserve role host:port decode`)
   router     run the router (OpenAI HTTP API + gRPC RouterService)
   kvstore-master  run the KV store metadata master
   kvstore-node    run a KV store storage node (a memory segment served over UCX)
@@ -277,6 +278,10 @@ def _run(command: str, rest: list[str]) -> None:
         sys.exit(_up(rest))
     if command == "generate":
         sys.exit(_generate(rest))
+    if command == "role":
+        from splitserve.services.worker.role_cli import main as role
+
+        sys.exit(role(rest))
     if command in SERVERS:
         _serve(command, rest)
     elif command == "bench":

@@ -167,3 +167,15 @@ async def test_a_router_that_learns_late_is_served_within_the_grace_period(pair)
     assert stats.role == R.WORKER_ROLE_PREFILL and stats.draining_role == R.WORKER_ROLE_DECODE
     await backend.registry.poll_all()
     assert addresses(backend, DECODE) == [a.address]
+
+
+async def test_the_role_command_reads_and_switches_a_worker(lm):
+    from splitserve.services.worker.role_cli import role
+
+    w = await start_role_worker(lm, "both")
+    try:
+        assert await role(w.address) == f"{w.address}: both (0 prefill call(s), 0 decode stream(s) running; 0 switch(es) since start)"
+        assert await role(w.address, "decode", wait_s=5.0) == f"{w.address}: both -> decode, drained"
+        assert w.roles.role == "decode"
+    finally:
+        await w.stop()
