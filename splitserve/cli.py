@@ -30,6 +30,8 @@ commands:
   up         start router + prefill + decode workers + KV store as local processes (Ctrl-C stops them all)
   prefill    run one prefill worker
   decode     run one decode worker
+  worker     run one worker that serves prefill, decode or both and can switch role in place (SetRole)
+  role       read or switch the role of a running worker (`splitserve role host:port decode`)
   router     run the router (OpenAI HTTP API + gRPC RouterService)
   kvstore-master  run the KV store metadata master
   kvstore-node    run a KV store storage node (a memory segment served over UCX)
@@ -45,6 +47,7 @@ commands:
 SERVERS = {
     "prefill": ("splitserve.services.prefill.main", "splitserve.services.prefill.config"),
     "decode": ("splitserve.services.decode.main", "splitserve.services.decode.config"),
+    "worker": ("splitserve.services.worker.main", "splitserve.services.worker.config"),
     "router": ("splitserve.services.router.main", "splitserve.services.router.config"),
     "colocated": ("splitserve.colocated.main", "splitserve.colocated.main"),
     "kvstore-master": ("splitserve.services.kvstore.master.main", "splitserve.services.kvstore.master.config"),
@@ -187,7 +190,8 @@ def _up_banner(config, cluster, http_port: int, grpc_port: int) -> str:
     otlp = a.otlp_endpoint or env("OTEL_EXPORTER_OTLP_ENDPOINT")
     traces = f"OTLP to {otlp}" if otlp and env("OTEL_SDK_DISABLED", "").lower() != "true" else "off (--trace to export them)"
     return (
-        f"\nsplitserve is up: {a.num_prefill} prefill + {a.num_decode} decode workers, model {a.model}\n"
+        f"\nsplitserve is up: {a.num_prefill} prefill + {a.num_decode} decode workers"
+        f"{(' (role can change' + (', planner on)' if a.planner else ')')) if a.elastic else ''}, model {a.model}\n"
         f"  OpenAI API : {base}\n  gRPC       : {a.host}:{grpc_port} (pd.v1.RouterService){grpc_security}\n"
         f"  Metrics    : {metrics}\n  Traces     : {traces}\n{store}\n"
         f"try:\n{key_note}  curl -sN {base}/completions -H 'Content-Type: application/json'"
@@ -274,6 +278,10 @@ def _run(command: str, rest: list[str]) -> None:
         sys.exit(_up(rest))
     if command == "generate":
         sys.exit(_generate(rest))
+    if command == "role":
+        from splitserve.services.worker.role_cli import main as role
+
+        sys.exit(role(rest))
     if command in SERVERS:
         _serve(command, rest)
     elif command == "bench":

@@ -39,6 +39,10 @@ class StreamStalled(WorkerUnavailable):
     """A worker's stream sent nothing for longer than its stall timeout: treated as a failed worker (UNAVAILABLE)."""
 
 
+class RoleNotServed(PdError):
+    """The worker does not take this kind of work in its current role (it switched): try another worker (ABORTED)."""
+
+
 class DeadlineExceeded(PdError):
     """The request's deadline passed before it finished (DEADLINE_EXCEEDED, HTTP 504)."""
 # --- KV store (splitserve/services/kvstore, splitserve/kvstore) ---------------------------------------------------

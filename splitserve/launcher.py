@@ -216,7 +216,7 @@ def build_cluster(
     grpc_port: int = 50050, worker_args: list[str] | None = None, env: dict[str, str] | None = None,
     store_nodes: int = 0, master_args: list[str] | None = None, node_args: list[str] | None = None,
     router_args: list[str] | None = None, router_env: dict[str, str] | None = None,
-    role_args: dict[str, list[str]] | None = None,
+    role_args: dict[str, list[str]] | None = None, elastic: bool = False,
 ) -> tuple[Cluster, int, int]:
     """Describe a cluster; ports 0 are replaced by free ones (workers' gRPC and /metrics ports are
     always free ones). Returns (cluster, http_port, grpc_port).
@@ -225,6 +225,9 @@ def build_cluster(
     command line and out of the other processes).
 
     ``role_args`` adds flags for the workers of one role only (``{"decode": ["--cpus", "1"]}``).
+
+    ``elastic``: every worker is a `splitserve worker --role prefill|decode` (its role can change in place; still
+    named prefill-<i> / decode-<i> after its role at start) and the router gets them all as ``--workers``.
 
     ``store_nodes`` > 0 adds a KV store master and that many storage nodes, and points every worker at the
     master (``--kvstore-master``); ``master_args``/``node_args`` go to those processes.
@@ -245,10 +248,14 @@ def build_cluster(
         for i in range(count):
             port, metrics_port = free_port(host), free_port(host)
             addrs.append(f"{host}:{port}")
-            argv = [*py, role, *common, *(role_args or {}).get(role, []), "--host", host, "--port", str(port), "--metrics-port", str(metrics_port)]
+            command = ["worker", "--role", role] if elastic else [role]
+            argv = [*py, *command, *common, *(role_args or {}).get(role, []), "--host", host, "--port", str(port),
+                    "--metrics-port", str(metrics_port)]
             children.append(Child(f"{role}-{i}", argv, f"grpc:{host}:{port}", f"http://{host}:{metrics_port}/metrics"))
+    addresses = (["--workers", ",".join(prefill_addrs + decode_addrs)] if elastic
+                 else ["--prefill", ",".join(prefill_addrs), "--decode", ",".join(decode_addrs)])
     router = [*py, "router", "--model", model, "--host", host, "--http-port", str(http_port), "--grpc-port", str(grpc_port),
-              "--prefill", ",".join(prefill_addrs), "--decode", ",".join(decode_addrs), *(router_args or [])]
+              *addresses, *(router_args or [])]
     children += store
     children.append(Child("router", router, f"http://{host}:{http_port}/health", f"http://{host}:{http_port}/metrics",
                           env=dict(router_env or {})))
@@ -267,7 +274,7 @@ def up_cluster(config: UpConfig) -> tuple[Cluster, int, int]:
         http_port=config.http_port, grpc_port=config.grpc_port, worker_args=config.worker_args(),
         env=config.child_env(), store_nodes=config.store_nodes, master_args=["--replicas", str(config.store_replicas)],
         node_args=["--segment-mb", str(config.store_mb)], router_args=config.router_args(), router_env=config.router_env(),
-        role_args=config.role_args(),
+        role_args=config.role_args(), elastic=config.elastic,
     )
 
 

@@ -30,6 +30,10 @@ class UpConfig:
 
     model: HF folder, ``.gguf`` file or ``synthetic:<name>``, for every process.
     num_prefill, num_decode: worker processes of each role (>= 1).
+    elastic: every worker is a `splitserve worker` whose role can change in place (started as prefill or decode as
+        ``num_prefill``/``num_decode`` say); the router gets them as ``--workers``.
+    planner: the router flips those workers between prefill and decode as the load asks (needs ``elastic``), against
+        the SLO targets ``slo_ttft_ms`` / ``slo_itl_ms`` (ms of the p90; None: not a signal).
     host: address every process listens on. http_port, grpc_port: the router's (0: any free port).
     transport, block_size, kv_cache_mb, kv_transfer_mode, dtype, max_model_len: passed to every worker (block_size
         and max_model_len in tokens, kv_cache_mb in MiB; dtype "auto" = the checkpoint's, max_model_len 0 = the model's).
@@ -74,11 +78,20 @@ class UpConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 0  # 0: the engine's default for the chunking mode
     enable_chunked_prefill: bool = False
+    elastic: bool = False
+    planner: bool = False
+    slo_ttft_ms: float | None = None
+    slo_itl_ms: float | None = None
 
     def __post_init__(self) -> None:
         if self.num_prefill < 1 or self.num_decode < 1:
             raise ValueError(f"--prefill and --decode: need at least one prefill and one decode worker, "
                              f"got {self.num_prefill} and {self.num_decode}")
+        if self.planner and not self.elastic:
+            raise ValueError("--planner flips workers whose role can change: add --elastic")
+        for flag, slo in (("--slo-ttft-ms", self.slo_ttft_ms), ("--slo-itl-ms", self.slo_itl_ms)):
+            if slo is not None and not slo > 0:
+                raise ValueError(f"{flag} must be > 0, got {slo}")
         if self.store_nodes < 0:
             raise ValueError(f"--store-nodes must be >= 0, got {self.store_nodes}")
         if self.kv_transfer_mode == "store" and not self.store_nodes:
@@ -120,7 +133,9 @@ class UpConfig:
     def router_args(self) -> list[str]:
         """Flags the router gets on top of its addresses and ports."""
         name = ["--served-model-name", self.served_model_name] if self.served_model_name else []
-        return ["--policy", self.policy, "--disagg", self.disagg, *name]
+        planner = (["--planner", *(["--slo-ttft-ms", str(self.slo_ttft_ms)] if self.slo_ttft_ms else []),
+                    *(["--slo-itl-ms", str(self.slo_itl_ms)] if self.slo_itl_ms else [])] if self.planner else [])
+        return ["--policy", self.policy, "--disagg", self.disagg, *name, *planner]
 
     def router_env(self) -> dict[str, str]:
         """Variables only the router gets: its API key (an environment variable is not visible in ``ps``)."""
@@ -167,6 +182,15 @@ def parse(argv: list[str] | None = None) -> UpConfig:
                          f"PD_API_KEY (a flag shows in ps) {SECRET_DEFAULT}")
     ap.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
     ap.add_argument("--decode", type=int, default=1, help="number of decode workers")
+    ap.add_argument("--elastic", action="store_true", default=env_bool("PD_ELASTIC"),
+                    help="start every worker as `splitserve worker`: its role can change in place (SetRole, the "
+                         "router's --planner) (PD_ELASTIC)")
+    ap.add_argument("--planner", action="store_true", default=env_bool("PD_PLANNER"),
+                    help="the router flips the workers between prefill and decode as the load asks; needs --elastic (PD_PLANNER)")
+    ap.add_argument("--slo-ttft-ms", type=float, default=env_float("PD_SLO_TTFT_MS", None),
+                    help="planner: TTFT target of the p90, ms (PD_SLO_TTFT_MS; unset: not a signal)")
+    ap.add_argument("--slo-itl-ms", type=float, default=env_float("PD_SLO_ITL_MS", None),
+                    help="planner: ITL target of the p90, ms (PD_SLO_ITL_MS; unset: not a signal)")
     ap.add_argument("--host", default="127.0.0.1", help="address every process listens on")
     ap.add_argument("--http-port", type=int, default=env_int("PD_HTTP_PORT", 8000),
                     help="router's OpenAI HTTP port (PD_HTTP_PORT; 0: any free port)")
@@ -223,4 +247,5 @@ def parse(argv: list[str] | None = None) -> UpConfig:
         otlp_endpoint=otlp, tls=tls_config(a), served_model_name=a.served_model_name, api_key=a.api_key,
         prefill_cpus=a.prefill_cpus, decode_cpus=a.decode_cpus, max_num_seqs=a.max_num_seqs,
         max_num_batched_tokens=a.max_num_batched_tokens, enable_chunked_prefill=a.enable_chunked_prefill,
+        elastic=a.elastic, planner=a.planner, slo_ttft_ms=a.slo_ttft_ms, slo_itl_ms=a.slo_itl_ms,
     )

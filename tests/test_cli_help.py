@@ -16,7 +16,7 @@ import pytest
 from splitserve import cli
 
 COMMANDS = [
-    ["up"], ["prefill"], ["decode"], ["router"], ["colocated"], ["kvstore-master"], ["kvstore-node"], ["generate"],
+    ["up"], ["prefill"], ["decode"], ["worker"], ["role"], ["router"], ["colocated"], ["kvstore-master"], ["kvstore-node"], ["generate"],
     ["bench"], ["bench", "compare"], ["bench", "efficiency"],
 ]
 

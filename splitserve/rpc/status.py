@@ -26,6 +26,7 @@ _TO_CODE: list[tuple[type[Exception], grpc.StatusCode]] = [
     (errors.CapacityExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (errors.KVTransferError, grpc.StatusCode.UNAVAILABLE),
     (errors.WorkerUnavailable, grpc.StatusCode.UNAVAILABLE),
+    (errors.RoleNotServed, grpc.StatusCode.ABORTED),  # retried on another worker; the worker stays in rotation
     (errors.DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
 ]
 

@@ -57,6 +57,7 @@ class WorkerServer:
     port: int  # bound gRPC port
     metrics: MetricsServer | None
     engine: AsyncEngine | None = None  # its one-line stats are logged while serving
+    extra_services: tuple[str, ...] = ()  # more services of the process (health SERVING / NOT_SERVING with ``service``)
 
     @classmethod
     async def start(cls, role: str, service: str, work_method: str, add_servicer: Callable, servicer: object,
@@ -74,10 +75,11 @@ class WorkerServer:
     async def serve(self, config: WorkerConfig, *, busy: Callable[[], bool] | None = None, closers: list[Callable] = ()) -> None:
         """SERVING until SIGTERM/SIGINT, then drain (waiting also while ``busy()``), stop, and call ``closers``
         (sync or async) in order; a closer that fails is logged and the next ones still run."""
-        await set_serving(self.health, [self.service])
+        services = [self.service, *self.extra_services]
+        await set_serving(self.health, services)
         stats_log = start_stats_log(f"{self.role} worker", self.engine.stats, config.stats_log_interval_s) if self.engine else None
         try:
-            await serve_until_signalled(self.server, self.health, [self.service], self.drain,
+            await serve_until_signalled(self.server, self.health, services, self.drain,
                                         grace_s=config.shutdown_grace_s, name=f"{self.role} worker", busy=busy)
         finally:
             if stats_log is not None:

@@ -157,7 +157,8 @@ def register_engine(engine, registry: CollectorRegistry = REGISTRY,
     return collector
 
 
-WORKER_GROUPS = {"prefill": ("prefill", "transfer", "store"), "decode": ("decode", "transfer", "store")}
+WORKER_GROUPS = {"prefill": ("prefill", "transfer", "store"), "decode": ("decode", "transfer", "store"),
+                 "elastic": ("prefill", "decode", "transfer", "store")}  # `splitserve worker`: role can change
 
 
 def start_worker_metrics(role: str, engine, host: str, port: int, gauges=None) -> MetricsServer | None:

@@ -146,3 +146,19 @@ DISAGG_TRANSFER_OVERHEAD = Gauge(
     "splitserve:disagg_transfer_overhead_seconds", "Measured fixed cost of one KV handoff (regression intercept).", registry=None)
 GROUPS["router"] = (ROUTER_WORKER_UP, ROUTER_WORKER_PICKS, ROUTER_FAILOVERS, ROUTER_DECODE_MIGRATIONS, DISAGG_THRESHOLD,
                     DISAGG_PREFILL_SECONDS_PER_TOKEN, DISAGG_TRANSFER_SECONDS_PER_TOKEN, DISAGG_TRANSFER_OVERHEAD)
+
+# --- router: the planner (--planner; label role: prefill | decode) ---------------------------------------
+PLANNER_DESIRED_WORKERS = Gauge(
+    "splitserve:planner_desired_workers", "Workers each role needs for its load to meet its targets (max(1, ceil(workers x "
+    "load))): the replica count an autoscaler (HPA, KEDA) can act on per role.", ["role"], registry=None)
+PLANNER_WORKERS = Gauge("splitserve:planner_workers", "Workers up whose current role takes this work.", ["role"], registry=None)
+PLANNER_LOAD = Gauge(
+    "splitserve:planner_load", "The planner's load per kind of work: its worst signal over its target (1.0 = at target; "
+    "TTFT or ITL over the SLO, queued prefill tokens or running decodes per worker over their targets).", ["role"], registry=None)
+PLANNER_DECISIONS = Counter(
+    "splitserve:planner_decisions", "Planner ticks by outcome: hold, wait (a want not held for the window yet), cooldown, "
+    "no_candidate, flip, flip_failed.", ["action"], registry=None)
+PLANNER_ROLE_SWITCHES = Counter(
+    "splitserve:planner_role_switches", "Workers the planner switched, by the role left and the role taken.",
+    ["from_role", "to_role"], registry=None)
+GROUPS["planner"] = (PLANNER_DESIRED_WORKERS, PLANNER_WORKERS, PLANNER_LOAD, PLANNER_DECISIONS, PLANNER_ROLE_SWITCHES)

@@ -22,6 +22,13 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_STOP: _ClassVar[FinishReason]
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_ABORT: _ClassVar[FinishReason]
+
+class WorkerRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    WORKER_ROLE_UNSPECIFIED: _ClassVar[WorkerRole]
+    WORKER_ROLE_PREFILL: _ClassVar[WorkerRole]
+    WORKER_ROLE_DECODE: _ClassVar[WorkerRole]
+    WORKER_ROLE_BOTH: _ClassVar[WorkerRole]
 GUIDED_KIND_UNSPECIFIED: GuidedKind
 GUIDED_KIND_JSON_SCHEMA: GuidedKind
 GUIDED_KIND_JSON_OBJECT: GuidedKind
@@ -32,6 +39,10 @@ FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
+WORKER_ROLE_UNSPECIFIED: WorkerRole
+WORKER_ROLE_PREFILL: WorkerRole
+WORKER_ROLE_DECODE: WorkerRole
+WORKER_ROLE_BOTH: WorkerRole
 
 class SamplingParams(_message.Message):
     __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "logit_bias", "bad_words_token_ids", "allowed_token_ids", "logprobs", "prompt_logprobs", "n", "guided")
@@ -180,7 +191,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("counters",)
+    __slots__ = ("counters", "role", "draining_role")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -189,5 +200,9 @@ class GetStatsResponse(_message.Message):
         value: float
         def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_ROLE_FIELD_NUMBER: _ClassVar[int]
     counters: _containers.ScalarMap[str, float]
-    def __init__(self, counters: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    role: WorkerRole
+    draining_role: WorkerRole
+    def __init__(self, counters: _Optional[_Mapping[str, float]] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., draining_role: _Optional[_Union[WorkerRole, str]] = ...) -> None: ...

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import dataclass
 
 from splitserve.cli_help import SECRET_DEFAULT, new_parser
@@ -13,6 +14,7 @@ from splitserve.rpc.keepalive import KeepaliveConfig, add_keepalive_args, keepal
 from splitserve.rpc.shutdown import DEFAULT_GRACE_S, add_shutdown_args, check_grace
 from splitserve.rpc.tls import TlsConfig, add_tls_args, tls_config
 from splitserve.frontend.http_limits import HttpLimits
+from splitserve.services.router.planner import PlannerConfig, add_planner_args, planner_config
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,6 +22,7 @@ class RouterConfig:
     model: str
     prefill: tuple[str, ...]  # prefill worker gRPC addresses host:port
     decode: tuple[str, ...]  # decode worker gRPC addresses host:port
+    workers: tuple[str, ...] = ()  # addresses of workers whose role can change (`splitserve worker`), host:port
     host: str = "127.0.0.1"
     http_port: int = 8000
     grpc_port: int = 50050
@@ -40,13 +43,14 @@ class RouterConfig:
     keepalive: KeepaliveConfig = KeepaliveConfig()  # gRPC PINGs: hung workers detected
     shutdown_grace_s: float = DEFAULT_GRACE_S  # SIGTERM: in-flight requests may finish within this (0: stop at once)
     http: HttpLimits = HttpLimits()  # read deadlines and connection cap of the HTTP listener (PD_HTTP_*)
+    planner: PlannerConfig | None = None  # --planner: flips --workers between prefill and decode; None = off
 
     def __post_init__(self) -> None:
         check_grace(self.shutdown_grace_s)
         if self.decode_stall_timeout_s is not None and not self.decode_stall_timeout_s > 0:
             raise ValueError(f"decode_stall_timeout_s must be > 0 (None: off), got {self.decode_stall_timeout_s}")
-        if not self.prefill or not self.decode:
-            raise ValueError("the router needs at least one --prefill and one --decode worker address")
+        if not (self.prefill or self.workers) or not (self.decode or self.workers):
+            raise ValueError("the router needs at least one --prefill and one --decode worker address (or --workers)")
         check_port("--http-port", self.http_port)
         check_port("--grpc-port", self.grpc_port)
         if self.http_port and self.http_port == self.grpc_port:
@@ -84,15 +88,24 @@ def _optional_float_env(name: str, default: str | None) -> float | None:
         raise EnvError(name, value, "a number of seconds (0 or none: off)") from None
 
 
+def _given(argv: list[str] | None, flag: str, env: str) -> bool:
+    """Whether ``flag`` is on the command line (``argv``, or sys.argv when None) or ``env`` is set."""
+    args = sys.argv[1:] if argv is None else argv
+    return env_str(env) is not None or any(a == flag or a.startswith(flag + "=") for a in args)
+
+
 def parse(argv: list[str] | None = None) -> RouterConfig:
     ap = new_parser("splitserve router", "Run the router (OpenAI HTTP + gRPC front door).")
     ap.add_argument("--model", default=env_str("PD_MODEL", str(default_model_path())), help="model folder/file (tokenizer, chat template)")
     ap.add_argument("--served-model-name", default=env_str("PD_SERVED_MODEL_NAME"),
                     help="model name the API answers to (default: the model folder's or file's name)")
     ap.add_argument("--prefill", type=_addresses, default=env_str("PD_PREFILL_ADDRS", "127.0.0.1:50061"),
-                    help="prefill workers' gRPC addresses, comma-separated host:port")
+                    help="prefill workers' gRPC addresses, comma-separated host:port (with --workers: none unless given)")
     ap.add_argument("--decode", type=_addresses, default=env_str("PD_DECODE_ADDRS", "127.0.0.1:50071"),
-                    help="decode workers' gRPC addresses, comma-separated host:port")
+                    help="decode workers' gRPC addresses, comma-separated host:port (with --workers: none unless given)")
+    ap.add_argument("--workers", type=_addresses, default=env_str("PD_WORKER_ADDRS", ""),
+                    help="gRPC addresses of workers whose role can change (`splitserve worker`), comma-separated host:port; "
+                         "the router follows the role each one announces")
     ap.add_argument("--host", default=env_str("PD_HOST", "127.0.0.1"), help="address the HTTP and gRPC servers listen on")
     ap.add_argument("--http-port", type=int, default=env_int("PD_HTTP_PORT", 8000), help="OpenAI HTTP API port (0: any free port)")
     ap.add_argument("--grpc-port", type=int, default=env_int("PD_GRPC_PORT", 50050),
@@ -123,13 +136,21 @@ def parse(argv: list[str] | None = None) -> RouterConfig:
     add_tls_args(ap)
     add_keepalive_args(ap)
     add_shutdown_args(ap)
+    add_planner_args(ap)
     a = ap.parse_args(argv)
+    workers = _addresses(a.workers) if isinstance(a.workers, str) else a.workers
+    if workers:  # the default addresses of born-to-one-role workers apply only without --workers
+        prefill = _addresses(a.prefill) if isinstance(a.prefill, str) else a.prefill
+        decode = _addresses(a.decode) if isinstance(a.decode, str) else a.decode
+        a.prefill = () if prefill == ("127.0.0.1:50061",) and not _given(argv, "--prefill", "PD_PREFILL_ADDRS") else prefill
+        a.decode = () if decode == ("127.0.0.1:50071",) and not _given(argv, "--decode", "PD_DECODE_ADDRS") else decode
     return RouterConfig(
-        model=a.model, prefill=a.prefill, decode=a.decode, host=a.host, http_port=a.http_port,
+        model=a.model, prefill=a.prefill, decode=a.decode, workers=workers, host=a.host, http_port=a.http_port,
         grpc_port=a.grpc_port, served_model_name=a.served_model_name, prefill_timeout_s=a.prefill_timeout_s,
         policy=a.policy, disagg=a.disagg.strip().lower(), poll_interval_s=a.poll_interval_s, miss_limit=a.miss_limit,
         prefill_attempts=a.prefill_attempts, decode_attempts=a.decode_attempts, decode_migrations=a.decode_migrations,
         local_prefill_fallback=a.local_prefill_fallback, request_timeout_s=a.request_timeout_s,
         api_key=a.api_key, tls=tls_config(a), decode_stall_timeout_s=a.decode_stall_timeout_s,
         keepalive=keepalive_config(a), shutdown_grace_s=a.shutdown_grace_s, http=HttpLimits.from_env(),
+        planner=planner_config(a),
     )

@@ -12,6 +12,12 @@ NOT_SERVING (it is draining for a shutdown), or at once when a request to it fai
 stalls (passive check: ``mark_failed``); it comes back on the first successful poll. Between polls the
 router also counts what it has itself sent to each worker (``inflight_requests``,
 ``inflight_prefill_tokens``), so load-aware policies see bursts at once.
+
+Roles: a worker born to one role (``--prefill`` / ``--decode`` addresses) keeps it. A worker whose role can change
+(``--workers``: `splitserve worker`) is listed under both roles (two entries, one channel) and announces the work it
+takes now in every GetStats answer (``role``); an entry is picked only while the worker's role takes its work
+(:attr:`WorkerState.takes_work`), so the registry follows a switch on its next poll, or at once when this router
+made it (:meth:`WorkerRegistry.set_worker_role`).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from pd.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 from splitserve.rpc.convert import layout_from_proto
 from splitserve.rpc.server import channel
 from splitserve.rpc.tls import TlsConfig
+from splitserve.services.worker.roles import ROLE_FROM_PROTO, takes
 from splitserve.telemetry.metrics import ROUTER_WORKER_UP
 from splitserve.transfer.layout import KVLayout
 
@@ -55,6 +62,14 @@ class WorkerState:
     inflight_requests: int = 0  # sent by this router and not finished
     inflight_prefill_tokens: int = 0  # uncached prompt tokens sent and not yet prefilled
     picks: int = 0
+    elastic: bool = False  # listed by --workers: its role can change (pd.v1.RoleService)
+    worker_role: str | None = None  # the role it announced ("prefill" | "decode" | "both"); None: born to ``role``
+    draining_role: str | None = None  # the role it left whose calls still run
+
+    @property
+    def takes_work(self) -> bool:
+        """The worker's current role takes this entry's work (``role``)."""
+        return self.worker_role is None or takes(self.worker_role, self.role)
 
     @property
     def queued_prefill_tokens(self) -> int:
@@ -73,6 +88,8 @@ class WorkerState:
     def describe(self, now: float) -> dict:
         return {
             "address": self.address, "role": self.role, "state": "up" if self.up else "down",
+            "worker_role": self.worker_role, "draining_role": self.draining_role, "takes_work": self.takes_work,
+            "elastic": self.elastic,
             "last_ok_s_ago": None if self.last_ok is None else round(now - self.last_ok, 3),
             "last_error": self.last_error or None,
             "kv_layout": self.layout.describe() if self.layout else None,
@@ -96,7 +113,8 @@ class WorkerRegistry:
     """Prefill and decode workers from static address lists, kept up to date by a poll loop.
 
     Args:
-        prefill / decode: ``host:port`` gRPC addresses.
+        prefill / decode: ``host:port`` gRPC addresses of workers born to that role.
+        workers: ``host:port`` addresses of workers whose role can change (listed under both roles).
         poll_interval_s: seconds between polls of each worker.
         poll_timeout_s: deadline of one health/stats call.
         miss_limit: consecutive failed polls before a worker is taken out of rotation.
@@ -107,8 +125,8 @@ class WorkerRegistry:
 
     def __init__(self, prefill: list[str], decode: list[str], *, poll_interval_s: float = 1.0, poll_timeout_s: float = 2.0,
                  miss_limit: int = 2, clock: Callable[[], float] = time.monotonic,
-                 tls: TlsConfig | None = None) -> None:
-        if not prefill or not decode:
+                 tls: TlsConfig | None = None, workers: list[str] = ()) -> None:
+        if not (prefill or workers) or not (decode or workers):
             raise ValueError("need at least one prefill and one decode worker address")
         if poll_interval_s <= 0 or poll_timeout_s <= 0 or miss_limit < 1:
             raise ValueError("poll_interval_s and poll_timeout_s must be > 0 and miss_limit >= 1")
@@ -118,6 +136,10 @@ class WorkerRegistry:
             for a in addrs:
                 ch = channel(a, tls)
                 self.workers[role].append(WorkerState(a, role, ch, _STUBS[role](ch)))
+        for a in workers:  # one channel, an entry per role
+            ch = channel(a, tls)
+            for role in (PREFILL, DECODE):
+                self.workers[role].append(WorkerState(a, role, ch, _STUBS[role](ch), elastic=True))
         self._task: asyncio.Task | None = None
         self._changed = asyncio.Event()
 
@@ -125,8 +147,24 @@ class WorkerRegistry:
         return self.workers[PREFILL] + self.workers[DECODE]
 
     def up(self, role: str) -> list[WorkerState]:
-        """Workers of ``role`` in rotation now."""
-        return [w for w in self.workers[role] if w.up]
+        """Workers of ``role`` in rotation now (up, and their current role takes that work)."""
+        return [w for w in self.workers[role] if w.up and w.takes_work]
+
+    def set_worker_role(self, address: str, role: str | None, draining: str | None = None) -> None:
+        """Every entry of the worker at ``address`` follows its role ``role`` (None: born to its entries' role)."""
+        for w in self.all():
+            if w.address == address:
+                self._set_role(w, role, draining)
+
+    def _set_role(self, w: WorkerState, role: str | None, draining: str | None) -> None:
+        if role != w.worker_role:
+            before = w.takes_work
+            w.worker_role = role
+            if w.takes_work != before:
+                logger.info("worker %s is a %s worker now: %s %s work", w.address, role, "takes" if w.takes_work else "takes no",
+                            w.role)
+                self._changed.set()
+        w.draining_role = draining
 
     def _set(self, w: WorkerState, up: bool, error: str = "") -> None:
         if up != w.up:
@@ -152,6 +190,7 @@ class WorkerRegistry:
                 self._set(w, False, w.last_error)
             return False
         w.stats = dict(stats.counters)
+        self._set_role(w, ROLE_FROM_PROTO.get(stats.role), ROLE_FROM_PROTO.get(stats.draining_role))
         w.misses, w.last_ok, w.last_error = 0, self.clock(), ""
         self._set(w, True)
         return True
