@@ -73,6 +73,7 @@ class DecodeLeg:
         self.started = False
         self.logprobs = sampling.HasField("logprobs")
         self.open_choices = set(range(sampling.n or 1))  # choices without a finish_reason yet
+        self.output_ids: list[int] = []  # choice 0's tokens so far (their KV ends up in the decode worker's cache)
         if remote is None:
             self.request = decode_pb2.DecodeRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling)
         else:
@@ -95,6 +96,7 @@ class DecodeLeg:
                 for ev in remote.first_events():
                     if ev.finish_reason is not None:
                         self.open_choices.discard(ev.index)
+                    self._note(ev)
                     yield ev
             while True:
                 w = self.decode
@@ -107,7 +109,10 @@ class DecodeLeg:
                             self._first_message(msg, time.monotonic() - t0)
                         ev = await self._event(call, msg)
                         if ev is not None:
+                            self._note(ev)
                             yield ev
+                    # every token but the last has its KV computed there: the next turn of a chat can reuse it
+                    self.router.policy.record(self.decode, self.prompt + self.output_ids[:-1])
                     return
                 except (grpc.aio.AioRpcError, StreamStalled) as exc:
                     self.decode = self._next_worker(exc)  # raises when the request cannot move
@@ -119,6 +124,10 @@ class DecodeLeg:
             if remote is not None and not self.started:
                 self.router.kv_release.soon(remote.worker, remote.response.kv_handle.transfer_id)  # survives our cancel
 
+    def _note(self, ev: TokenEvent) -> None:
+        if ev.index == 0:
+            self.output_ids += ev.token_ids
+
     def _first_message(self, msg: decode_pb2.DecodeResponse, seconds: float) -> None:
         """The stream started: free KV the decode worker recomputed instead of pulling, and feed the disaggregation
         cost model (``seconds`` from the Decode call to this message)."""
@@ -128,8 +137,9 @@ class DecodeLeg:
             router.disagg.observe_local_prefill(len(self.prompt) - msg.cached_tokens, seconds)
             router.policy.record(self.decode, self.prompt)
             return
-        if msg.kv_recomputed:
-            router.counters["kv_recomputed"] += 1
+        router.policy.record(self.decode, self.prompt)  # the decode worker's prefix cache now holds the prompt
+        if msg.kv_recomputed or msg.kv_not_pulled:
+            router.counters["kv_recomputed" if msg.kv_recomputed else "kv_not_pulled"] += 1
             router.kv_release.soon(remote.worker, remote.response.kv_handle.transfer_id)
         router.disagg.observe_transfer(len(self.prompt), seconds)
 
