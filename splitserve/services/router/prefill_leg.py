@@ -104,7 +104,7 @@ async def prefill_leg(router: RoutedBackend, request_id: str, prompt: list[int],
             raise WorkerUnavailable("no prefill worker is up")
         return None
     held = router.policy.matched_tokens(decode, prompt)
-    if held and len(prompt) - held <= router.skip_prefill_tokens:
+    if router.skip_prefill_tokens and held and len(prompt) - held <= router.skip_prefill_tokens:
         router.counters["prefill_skipped"] += 1
         return None
     uncached = len(prompt) - router.policy.matched_tokens(prefill, prompt)
