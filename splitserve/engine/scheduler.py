@@ -22,6 +22,10 @@ Waiting requests are admitted in FIFO order as long as their blocks are free; on
 ``reserved_blocks`` free for a waiting block allocation. Prefix blocks that requests behind the head hold
 while they wait (loaded from the KV store) are given up when that lets the head start, so waiting requests
 never hold each other's blocks forever.
+
+With a prefix cache (``engine.prefix_cache.PrefixCachingBlockManager``) a waiting request without blocks first takes
+the cached blocks of its longest cached prefix at admission (those tokens count as computed), and every step keys the
+blocks it filled, so they stay reusable after the request ends.
 """
 
 from __future__ import annotations
