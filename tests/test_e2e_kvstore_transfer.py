@@ -52,9 +52,10 @@ async def test_decode_reads_the_kv_from_the_store_and_matches_colocated(store_mo
     d = stats(grpc_address(cluster, "decode-0"), decode_pb2_grpc.DecodeServiceStub)
     m = stats(grpc_address(cluster, "kvstore-master"), kvstore_pb2_grpc.KVStoreMasterServiceStub)
     assert p["kv_bytes_sent"] == 0 and d["kv_bytes_received"] == 0  # nothing pulled from the prefill worker
-    assert d["kvstore_recomputed_tokens"] == 0  # every prompt token's KV came from the store
+    assert d["kvstore_recomputed_tokens"] == 0  # every prompt token's KV came from the store or decode's prefix cache
     # (a flake seen under heavy load: 154 of 155; the counters below say which path the missing token took)
-    assert d["kvstore_loaded_tokens"] == sum(length for length, n in cases if n > 1), (d, p)
+    reused = d["kv_prefix_reused_blocks"] * B  # full prompt blocks the decode worker's prefix cache held: not read
+    assert d["kvstore_loaded_tokens"] + reused == sum(length for length, n in cases if n > 1), (d, p)
     assert p["kvstore_cached_tokens"] > 0  # repeated prompts also reuse their prefix at prefill
     assert m["removes"] >= 3  # per-request tail blocks are removed once read
     assert p["kv_blocks_free"] == p["kv_blocks_total"] and d["kv_blocks_free"] == d["kv_blocks_total"]

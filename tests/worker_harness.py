@@ -39,10 +39,12 @@ class Pair:
 
 
 async def start_pair(lm, *, lease_s: float = 30.0, transfer_failure: str = "fallback", store_mode: str | None = None,
-                     kv_cache_mb: int = 4) -> Pair:
+                     kv_cache_mb: int = 4, decode_prefix_caching: bool = False) -> Pair:
     """``store_mode``: None (no KV store), "direct" (prefix reuse; KV pulled from the prefill worker) or
-    "store" (store transfer mode: the decode worker reads the prompt's KV from the store)."""
-    p_engine, d_engine = AsyncEngine(lm, EngineConfig(kv_cache_mb=kv_cache_mb)), AsyncEngine(lm, EngineConfig(kv_cache_mb=kv_cache_mb))
+    "store" (store transfer mode: the decode worker reads the prompt's KV from the store).
+    ``decode_prefix_caching``: the decode engine keeps a prefix cache (delta transfers)."""
+    p_engine = AsyncEngine(lm, EngineConfig(kv_cache_mb=kv_cache_mb))
+    d_engine = AsyncEngine(lm, EngineConfig(kv_cache_mb=kv_cache_mb, enable_prefix_caching=decode_prefix_caching))
     await p_engine.start()
     await d_engine.start()
     sender = create_sender("inproc", p_engine.kv_cache, p_engine.layout)

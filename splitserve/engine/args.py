@@ -13,7 +13,8 @@ from splitserve.paths import default_model_path
 TRANSPORTS = ("ucx", "inproc")
 
 
-def add_engine_args(ap: argparse.ArgumentParser) -> None:
+def add_engine_args(ap: argparse.ArgumentParser, *, prefix_caching: bool = True) -> None:
+    """The engine flags; ``prefix_caching`` is this command's default of ``--enable-prefix-caching``."""
     ap.add_argument("--model", default=env_str("PD_MODEL", str(default_model_path())), help="HF folder or .gguf file")
     ap.add_argument("--block-size", type=int, default=env_int("PD_BLOCK_SIZE", 16), help="tokens per KV block")
     ap.add_argument("--kv-cache-mb", type=int, default=env_int("PD_KV_CACHE_MB", 256), help="KV pool size, MiB")
@@ -33,6 +34,11 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--enable-chunked-prefill", action="store_true",
                     default=env_bool("PD_ENABLE_CHUNKED_PREFILL"),
                     help="mix running decodes and prompt chunks in each step (Sarathi-style token budget)")
+    ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                    default=env_bool("PD_ENABLE_PREFIX_CACHING", prefix_caching),
+                    help="keep finished requests' full KV blocks (LRU, evicted only when no block is free) and skip "
+                         f"computing a prompt's cached prefix (vLLM's automatic prefix caching; default here: "
+                         f"{'on' if prefix_caching else 'off'})")
     ap.add_argument("--torch-threads", type=int, default=env_int("PD_TORCH_THREADS", 1),
                     help="torch threads of prefill (and mixed) steps")
     ap.add_argument("--decode-threads", type=int, default=env_int("PD_DECODE_THREADS", 1),
@@ -73,4 +79,5 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens, enable_chunked_prefill=args.enable_chunked_prefill,
         num_blocks=args.num_blocks, max_queue_len=args.max_queue_len, max_queue_wait_s=args.max_queue_wait_s,
         dtype=args.dtype, max_model_len=args.max_model_len, decode_threads=args.decode_threads,
+        enable_prefix_caching=args.enable_prefix_caching,
     )

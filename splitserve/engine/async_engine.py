@@ -22,12 +22,14 @@ from splitserve.engine.core import EngineCore, RequestOutput
 from splitserve.engine.guided import GuidedMatcher
 from splitserve.engine.prefill_output import PrefillOutput  # re-exported: callers import it from here
 from splitserve.engine.owned_blocks import OwnedBlocks
+from splitserve.engine.prefix_cache import PrefixCachingBlockManager
 from splitserve.engine.resume import resume_sequence
 from splitserve.engine.runner import ModelRunner
 from splitserve.engine.sampling import SamplingParams
 from splitserve.engine.scheduler import Scheduler, SchedulerConfig
 from splitserve.engine.sequence import Sequence, SeqMode
 from splitserve.errors import InvalidRequest
+from splitserve.kvstore.block_hash import namespace_root
 from splitserve.model import LoadedModel
 from splitserve.transfer.kv_cache import allocate_kv_cache
 from splitserve.transfer.layout import KVLayout
@@ -68,7 +70,8 @@ class AsyncEngine:
         self.layout = KVLayout(lm.model_id, mc.num_layers, mc.num_kv_heads, mc.head_dim, config.block_size, mc.dtype)
         num_blocks = config.num_blocks or max(1, config.kv_cache_mb * 2**20 // self.layout.block_nbytes)
         self.kv_cache = allocate_kv_cache(self.layout, num_blocks)
-        self.block_manager = BlockManager(num_blocks)
+        self.block_manager = (PrefixCachingBlockManager(num_blocks, config.block_size, namespace_root(self.layout))
+                              if config.enable_prefix_caching else BlockManager(num_blocks))
         sched = Scheduler(
             SchedulerConfig(
                 config.block_size, config.max_num_seqs,
@@ -324,6 +327,22 @@ class AsyncEngine:
             raise
         return OwnedBlocks(block_ids, self.core)
 
+    async def match_prefix(self, token_ids: list[int]) -> OwnedBlocks:
+        """One reference on each KV block of the longest prefix of ``token_ids`` held by the prefix cache (full blocks
+        only: at most ``len(token_ids) // block_size``), owned by the caller; empty without a prefix cache. The blocks
+        hold the K/V of the first ``len(result) * block_size`` tokens. Cancel-safe (blocks taken meanwhile are freed)."""
+        bm = self.block_manager
+        if not isinstance(bm, PrefixCachingBlockManager):
+            return OwnedBlocks([], self.core)
+        keys = bm.keys(token_ids)  # hashed here, off the engine thread
+        fut = self.core.call(lambda: bm.match(keys))
+        try:
+            block_ids = await asyncio.shield(asyncio.wrap_future(fut))
+        except asyncio.CancelledError:
+            fut.add_done_callback(self._free_if_allocated)
+            raise
+        return OwnedBlocks(block_ids, self.core)
+
     def _free_if_allocated(self, fut) -> None:
         if not fut.cancelled() and fut.exception() is None:
             self.core.free(fut.result())
@@ -342,9 +361,18 @@ class AsyncEngine:
                 "engine_steps": self.core.num_steps,
                 "prefill_tokens": self.core.num_prefill_tokens,
                 "decode_tokens": self.core.num_decode_tokens,
+                **self._prefix_cache_stats(),
             }
 
         return await asyncio.wrap_future(self.core.call(read))
+
+    def _prefix_cache_stats(self) -> dict[str, float]:
+        """Prefix cache counters (engine thread): blocks cached (evictable), looked up, hit, evicted."""
+        bm = self.block_manager
+        if not isinstance(bm, PrefixCachingBlockManager):
+            return {}
+        return {"kv_blocks_cached": bm.num_cached, "prefix_cache_queried_blocks": bm.num_queried_blocks,
+                "prefix_cache_hit_blocks": bm.num_hit_blocks, "prefix_cache_evicted_blocks": bm.num_evicted}
 
 
 def set_torch_threads(n: int) -> None:

@@ -27,6 +27,7 @@ class EngineConfig:
     dtype: str = "auto"  # weights and KV cache: auto (the checkpoint's) | float32 | bfloat16 | float16
     max_model_len: int = 0  # context limit, tokens (prompt + output); 0 = the model's
     decode_threads: int = 1  # torch threads of decode-only steps (0: as many as prefill steps use)
+    enable_prefix_caching: bool = False  # keep full KV blocks for reuse (engine.prefix_cache); CLI: on for decode, colocated
 
     def __post_init__(self) -> None:
         """Raises ValueError naming the first setting out of range (flag spelling, as the CLI prints it)."""

@@ -22,6 +22,10 @@ Waiting requests are admitted in FIFO order as long as their blocks are free; on
 ``reserved_blocks`` free for a waiting block allocation. Prefix blocks that requests behind the head hold
 while they wait (loaded from the KV store) are given up when that lets the head start, so waiting requests
 never hold each other's blocks forever.
+
+With a prefix cache (``engine.prefix_cache.PrefixCachingBlockManager``) a waiting request without blocks first takes
+the cached blocks of its longest cached prefix at admission (those tokens count as computed), and every step keys the
+blocks it filled, so they stay reusable after the request ends.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from splitserve.engine.block_manager import BlockManager
+from splitserve.engine.prefix_cache import PrefixCachingBlockManager
 from splitserve.engine.sampling import SamplingParams
 from splitserve.engine.sequence import Sequence, SeqMode, SeqStatus
 
@@ -52,6 +57,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.reserved_blocks = 0  # promised to a waiting block allocation: admissions leave them free
         self.num_block_waits = 0  # requests that found too few free KV blocks at the head of the queue
+        self.prefix_cache = block_manager if isinstance(block_manager, PrefixCachingBlockManager) else None
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -163,7 +169,11 @@ class Scheduler:
         return scheduled, has_prefill
 
     def _can_admit(self, seq: Sequence) -> bool:
-        """Whether the head of ``waiting`` can get its blocks now (leaving ``reserved_blocks`` free)."""
+        """Whether the head of ``waiting`` can get its blocks now (leaving ``reserved_blocks`` free). With a prefix
+        cache it first takes the cached blocks of the longest cached prefix (unless every prompt position must be
+        computed for its logprobs)."""
+        if self.prefix_cache is not None and seq.params.prompt_logprobs is None:
+            self.prefix_cache.reuse_prefix(seq)
         need = self.blocks_needed(seq) + self.reserved_blocks
         if self.block_manager.can_allocate(need):
             return True
@@ -206,9 +216,11 @@ class Scheduler:
             if seq.is_partial_prefill:
                 seq.num_computed_tokens += seq.num_step_tokens
                 seq.num_scheduled_tokens = 0
+                self._cache_computed(seq)
                 continue
             seq.num_scheduled_tokens = 0
             seq.num_computed_tokens = seq.num_tokens
+            self._cache_computed(seq)
             seq.output_token_ids.append(token_id)
             reason = self.stop_reason(seq.params, token_id, len(seq.output_token_ids), seq.num_tokens)
             if seq.mode is SeqMode.PREFILL_ONLY:
@@ -224,6 +236,10 @@ class Scheduler:
                 self._release(seq, reason)
                 finished.append(seq)
         return finished
+
+    def _cache_computed(self, seq: Sequence) -> None:
+        if self.prefix_cache is not None:
+            self.prefix_cache.cache_computed(seq)
 
     def stop_reason(self, params: SamplingParams, token_id: int, num_output_tokens: int, num_tokens: int) -> str | None:
         """Why a sequence ends after sampling ``token_id`` (its ``num_output_tokens``-th output token, ``num_tokens``

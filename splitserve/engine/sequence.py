@@ -60,6 +60,8 @@ class Sequence:
     matcher: GuidedMatcher | None = None
     prompt_logprobs: PromptLogprobs | None = None
     step_results: list[Any] | None = None
+    block_hashes: list[bytes] = field(default_factory=list)  # prefix cache keys of full blocks of token_ids, so far
+    num_keyed_blocks: int = 0  # leading blocks of block_table the prefix cache has keyed
 
     @property
     def token_ids(self) -> list[int]:

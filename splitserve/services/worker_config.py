@@ -67,9 +67,10 @@ class WorkerConfig:
             check_cpus(self.cpus)
 
 
-def add_worker_args(ap: argparse.ArgumentParser, *, port_env: str, port: int) -> None:
-    """The flags of every :class:`WorkerConfig` field; ``--port`` defaults to ``$port_env`` or ``port``."""
-    add_engine_args(ap)
+def add_worker_args(ap: argparse.ArgumentParser, *, port_env: str, port: int, prefix_caching: bool = True) -> None:
+    """The flags of every :class:`WorkerConfig` field; ``--port`` defaults to ``$port_env`` or ``port``,
+    ``--enable-prefix-caching`` to ``prefix_caching``."""
+    add_engine_args(ap, prefix_caching=prefix_caching)
     ap.add_argument("--host", default=env_str("PD_HOST", "127.0.0.1"), help="address the gRPC server listens on")
     ap.add_argument("--port", type=int, default=env_int(port_env, port), help=f"gRPC port ({port_env}; 0: any free port)")
     add_store_args(ap)

@@ -37,23 +37,25 @@ class DecodeStore:
         self._cleanups: set[asyncio.Task] = set()
 
     async def load_prompt(self, handle: KVHandle, prompt: list[int], blocks: OwnedBlocks,
-                          timeout_s: float | None = None) -> int:
+                          timeout_s: float | None = None, skip_blocks: int = 0) -> int:
         """Fill ``blocks`` (covering the prompt; they stay with the caller) from the store, waiting and reading
         for at most ``timeout_s`` in all (None: ``wait_s`` plus the reads); returns how many leading prompt
-        tokens now have their K/V there (the rest is for the engine to compute)."""
+        tokens now have their K/V there (the rest is for the engine to compute). The first ``skip_blocks`` blocks
+        already hold their K/V (the decode worker's prefix cache): only the blocks after them are read."""
         loop = asyncio.get_running_loop()
         deadline = None if timeout_s is None else loop.time() + timeout_s
-        keys = self.blocks.keys(prompt)
+        keys = self.blocks.keys(prompt)[skip_blocks:]
         tail = handle.store_tail_key if len(prompt) % self.block_size else ""
         if tail:
             keys.append(tail)
         hits = await self.blocks.wait_prefix(keys, self.wait_s if timeout_s is None else min(self.wait_s, timeout_s))
         remaining = None if deadline is None else max(0.0, deadline - loop.time())
-        n = await self.blocks.load(hits, blocks.block_ids[: len(hits)], remaining) if hits else 0
+        dst = blocks.block_ids[skip_blocks : skip_blocks + len(hits)]
+        n = await self.blocks.load(hits, dst, remaining) if hits else 0
         if tail:  # best effort; one the prefill worker is still writing is left to eviction
             self._spawn_remove(tail)
-        computed = min(n * self.block_size, len(prompt))
-        self.loaded_tokens += computed
+        computed = min((skip_blocks + n) * self.block_size, len(prompt))
+        self.loaded_tokens += computed - min(skip_blocks * self.block_size, len(prompt))
         self.recomputed_tokens += len(prompt) - computed
         if computed < len(prompt):
             logger.info("request %s: %d of %d prompt tokens read from the KV store, the rest is recomputed",

@@ -65,8 +65,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             async with contextlib.aclosing(self.worker.decode(job)) as run:
                 async for out in run:
                     msg = response_of(out)
-                    if run.kv_recomputed and not recomputed_sent:
-                        msg.kv_recomputed = recomputed_sent = True
+                    if (run.kv_recomputed or run.kv_not_pulled) and not recomputed_sent:
+                        recomputed_sent = True
+                        msg.kv_recomputed, msg.kv_not_pulled = run.kv_recomputed, run.kv_not_pulled
                     yield self.grpc_bytes.sent(msg)
         except PdError as exc:
             logger.warning("decode %s failed: %s", request.request_id, exc)

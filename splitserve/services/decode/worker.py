@@ -4,10 +4,12 @@ Lifecycle of one request (:meth:`DecodeWorker.decode`):
 1. Check the request: request_id, and with a KV handle the first token of every choice, transport, KV layout (a mismatch is
    KVLayoutMismatch naming both), block count and what the engine will check (prompt, first token, a
    request that could never fit the pool): a refused request moves no KV.
-2. Reserve local KV blocks (waits, bounded, while the pool is busy).
-3. Fill them: pull the prefill worker's blocks over the KVReceiver (UCX) within min(transfer_timeout_s,
-   the call's time left), or, with a ``via_store`` handle, read them from the KV store (whatever is
-   missing is computed by the first decode step).
+2. Reserve local KV blocks: with a prefix cache (``--enable-prefix-caching``), share the cached blocks of the
+   prompt's longest cached prefix (m full blocks), then allocate the rest (waits, bounded, while the pool is busy).
+3. Fill the rest (delta transfer): pull the prefill worker's blocks ``block_ids[m:]`` over the KVReceiver (UCX)
+   within min(transfer_timeout_s, the call's time left), or, with a ``via_store`` handle, read them from the KV
+   store (whatever is missing is computed by the first decode step). When the cache held every block nothing is
+   pulled (``DecodeRun.kv_not_pulled``: the caller must release the prefill worker's KV).
 4. If the pull fails (unreachable, timeout, lease expired, corrupted): with ``transfer_failure="fallback"``
    free the blocks, recompute the prompt's KV with a local prefill and continue from the first token
    prefill produced (``DecodeRun.kv_recomputed``: the caller must release the prefill worker's KV); with
@@ -71,6 +73,7 @@ class DecodeRun:
     def __init__(self, job: DecodeJob, outputs: Callable[[DecodeRun], AsyncIterator[RequestOutput]]) -> None:
         self.job = job
         self.kv_recomputed = False
+        self.kv_not_pulled = False  # the prefix cache held every prompt block: the prefill worker's KV was not pulled
         self._outputs = outputs(self)
 
     def __aiter__(self) -> DecodeRun:
@@ -85,7 +88,7 @@ class DecodeRun:
 
 class DecodeWorker:
     """Counters (plain ints, event-loop thread): ``num_requests``, ``streams_open``, ``num_local_prefills``,
-    ``num_kv_fallbacks``."""
+    ``num_kv_fallbacks``, ``num_prefix_reused_blocks`` (prompt blocks taken from the prefix cache, not transferred)."""
 
     def __init__(
         self, engine: AsyncEngine, receiver: KVReceiver, transport: str, transfer_timeout_s: float,
@@ -103,6 +106,7 @@ class DecodeWorker:
         self.streams_open = 0
         self.num_local_prefills = 0
         self.num_kv_fallbacks = 0
+        self.num_prefix_reused_blocks = 0
 
     def decode(self, job: DecodeJob) -> DecodeRun:
         """The request's outputs (see the module docstring). Iterating raises InvalidRequest,
@@ -124,9 +128,10 @@ class DecodeWorker:
                         yield out
                 return
             self.engine.check_decode(job.prompt_token_ids, job.params, list(job.first_tokens))  # refuse before taking blocks
-            async with await self.engine.allocate_blocks(len(job.handle.block_ids)) as blocks:
+            blocks, reused = await self._reserve(job)
+            async with blocks:
                 try:
-                    computed = await self._fill(job, blocks)
+                    computed = await self._fill(run, blocks, reused)
                 except (KVTransferError, TransferNotFound) as exc:  # incl. timeout, unreachable, checksum mismatch
                     if self.transfer_failure == "error":
                         raise
@@ -172,15 +177,31 @@ class DecodeWorker:
         if job.params.max_tokens <= 1:
             raise InvalidRequest("max_tokens <= 1: the request finished at prefill; nothing to decode")
 
-    async def _fill(self, job: DecodeJob, blocks: OwnedBlocks) -> int | None:
-        """Put the prompt's KV into ``blocks``; returns how many leading prompt tokens it covers (None: all)."""
+    async def _reserve(self, job: DecodeJob) -> tuple[OwnedBlocks, int]:
+        """Step 2: blocks for the whole prompt, the first ``m`` shared from the prefix cache; returns (blocks, m)."""
+        async with await self.engine.match_prefix(job.prompt_token_ids) as held:  # freed if the allocation fails
+            rest = await self.engine.allocate_blocks(len(job.handle.block_ids) - len(held))
+            reused = len(held)
+            self.num_prefix_reused_blocks += reused
+            return OwnedBlocks(held.take() + rest.take(), self.engine.core), reused
+
+    async def _fill(self, run: DecodeRun, blocks: OwnedBlocks, reused: int) -> int | None:
+        """Step 3: put the prompt's KV into ``blocks`` after the first ``reused`` (already filled); returns how many
+        leading prompt tokens it covers (None: all)."""
+        job = run.job
         h = job.handle
         t = self.transfer_timeout_s
         timeout = t if job.time_remaining is None else max(0.001, min(t, job.time_remaining))
         if h.via_store:  # store transfer mode: read from the KV store, recompute what is missing
-            return await self.store.load_prompt(h, job.prompt_token_ids, blocks, timeout) if self.store is not None else 0
-        with observe_receive(self.transport, h.endpoint, h.transfer_id, len(blocks)) as obs:
-            obs.nbytes = await self.receiver.fetch(h.endpoint, h.transfer_id, list(h.block_ids), blocks.block_ids, timeout)
+            if self.store is None:
+                return reused * self.engine.layout.block_size
+            return await self.store.load_prompt(h, job.prompt_token_ids, blocks, timeout, skip_blocks=reused)
+        src, dst = list(h.block_ids)[reused:], blocks.block_ids[reused:]
+        if not src:
+            run.kv_not_pulled = True
+            return None
+        with observe_receive(self.transport, h.endpoint, h.transfer_id, len(src)) as obs:
+            obs.nbytes = await self.receiver.fetch(h.endpoint, h.transfer_id, src, dst, timeout)
         return None
 
     async def _recompute(self, job: DecodeJob) -> OwnedBlocks:
@@ -195,6 +216,7 @@ class DecodeWorker:
         counters = dict(
             requests=self.num_requests, streams_open=self.streams_open, local_prefills=self.num_local_prefills,
             kv_transfer_fallbacks=self.num_kv_fallbacks, kv_checksum_failures=s.checksum_failures,
+            kv_prefix_reused_blocks=self.num_prefix_reused_blocks,
             ucx_bytes_received=s.bytes_received if self.transport == "ucx" else 0, kv_bytes_received=s.bytes_received,
             kv_transfers_ok=s.transfers_ok, kv_transfers_failed=s.transfers_failed,
         )

@@ -36,7 +36,7 @@ class PrefillConfig(WorkerConfig):
 
 def parse(argv: list[str] | None = None) -> PrefillConfig:
     ap = new_parser("splitserve prefill", "Run a prefill worker.")
-    add_worker_args(ap, port_env="PD_PREFILL_PORT", port=50061)
+    add_worker_args(ap, port_env="PD_PREFILL_PORT", port=50061, prefix_caching=False)  # prefixes: the KV store
     ap.add_argument("--data-host", default=env_str("PD_DATA_HOST", "127.0.0.1"),
                     help="address of the UCX endpoint decode workers pull KV from")
     ap.add_argument("--data-port", type=int, default=env_int("PD_DATA_PORT", 0), help="port of that UCX endpoint (0: any free port)")

@@ -59,6 +59,8 @@ class RoutedBackend:
         decode_stall_timeout_s: a decode stream with no message for this long fails as UNAVAILABLE (None: no limit).
         decode_migrations: times a choice's stream may move to another decode worker after its worker failed
             mid-stream (:mod:`.migration`; 0: off, the request ends with the failure's typed error).
+        skip_prefill_tokens: prefill on the decode worker, skipping the prefill worker, when the policy believes the
+            decode worker's prefix cache holds all but at most this many prompt tokens (0: never).
 
     Attributes:
         counters: request, retry, fallback, stall, migration and KV release counts (:meth:`stats`).
@@ -68,7 +70,8 @@ class RoutedBackend:
     def __init__(self, registry: WorkerRegistry, policy: Policy | None = None, disagg: DisaggregationPolicy | None = None,
                  *, prefill_timeout_s: float = 60.0, prefill_attempts: int = 2, decode_attempts: int = 2,
                  wait_for_workers_s: float = 5.0, local_prefill_fallback: bool = True,
-                 decode_stall_timeout_s: float | None = 60.0, decode_migrations: int = 1) -> None:
+                 decode_stall_timeout_s: float | None = 60.0, decode_migrations: int = 1,
+                 skip_prefill_tokens: int = 0) -> None:
         self.registry = registry
         self.policy = policy or RoundRobin()
         self.disagg = disagg or DisaggregationPolicy("always")
@@ -78,6 +81,7 @@ class RoutedBackend:
         self.local_prefill_fallback = local_prefill_fallback
         self.decode_stall_timeout_s = decode_stall_timeout_s
         self.decode_migrations = max(decode_migrations, 0)
+        self.skip_prefill_tokens = skip_prefill_tokens
         self.counters: Counter[str] = Counter()
         self.streams_open = 0
         self.kv_release = KVRelease(self.counters)

@@ -30,6 +30,8 @@ class RouterConfig:
     prefill_timeout_s: float = 60.0  # liveness guard of one prefill call (a hung worker is retried elsewhere)
     policy: str = "round_robin"  # round_robin | least_loaded | prefix_aware
     disagg: str = "always"  # always | auto | <uncached-token threshold>
+    # prefix_aware: skip the prefill worker when the decode worker holds all but at most this many prompt tokens; 0: never
+    skip_prefill_tokens: int = 32
     poll_interval_s: float = 1.0  # worker heartbeat (health + stats poll) period
     miss_limit: int = 2  # missed heartbeats before a worker leaves rotation
     prefill_attempts: int = 2  # distinct prefill workers tried before local prefill on the decode worker
@@ -63,6 +65,8 @@ class RouterConfig:
             raise ValueError(f"--policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         if self.disagg not in ("always", "auto") and not self.disagg.isdigit():
             raise ValueError(f"--disagg must be 'always', 'auto' or a token count, got {self.disagg!r}")
+        if self.skip_prefill_tokens < 0:
+            raise ValueError(f"--skip-prefill-tokens must be >= 0 (0: never skip), got {self.skip_prefill_tokens}")
         if self.poll_interval_s <= 0 or self.miss_limit < 1 or self.prefill_attempts < 1 or self.decode_attempts < 1:
             raise ValueError("--poll-interval-s must be > 0; --miss-limit and the attempt counts >= 1")
         if self.decode_migrations < 0:
@@ -115,6 +119,9 @@ def parse(argv: list[str] | None = None) -> RouterConfig:
     ap.add_argument("--policy", default=env_str("PD_ROUTING_POLICY", "round_robin"), help="round_robin | least_loaded | prefix_aware")
     ap.add_argument("--disagg", default=env_str("PD_DISAGG", "always"),
                     help="always (remote prefill), auto (measured cost model), or N: prefill prompts with < N uncached tokens on the decode worker")
+    ap.add_argument("--skip-prefill-tokens", type=int, default=env_int("PD_SKIP_PREFILL_TOKENS", 32),
+                    help="with --policy prefix_aware: prefill on the decode worker (its prefix cache) when it is believed to "
+                         "hold all but at most this many prompt tokens (0: never; 1: all but the last token)")
     ap.add_argument("--poll-interval-s", type=float, default=env_float("PD_POLL_INTERVAL_S", 1.0), help="worker heartbeat period")
     ap.add_argument("--miss-limit", type=int, default=env_int("PD_MISS_LIMIT", 2), help="missed heartbeats before a worker is marked down")
     ap.add_argument("--prefill-attempts", type=int, default=env_int("PD_PREFILL_ATTEMPTS", 2),
@@ -147,7 +154,8 @@ def parse(argv: list[str] | None = None) -> RouterConfig:
     return RouterConfig(
         model=a.model, prefill=a.prefill, decode=a.decode, workers=workers, host=a.host, http_port=a.http_port,
         grpc_port=a.grpc_port, served_model_name=a.served_model_name, prefill_timeout_s=a.prefill_timeout_s,
-        policy=a.policy, disagg=a.disagg.strip().lower(), poll_interval_s=a.poll_interval_s, miss_limit=a.miss_limit,
+        policy=a.policy, disagg=a.disagg.strip().lower(), skip_prefill_tokens=a.skip_prefill_tokens,
+        poll_interval_s=a.poll_interval_s, miss_limit=a.miss_limit,
         prefill_attempts=a.prefill_attempts, decode_attempts=a.decode_attempts, decode_migrations=a.decode_migrations,
         local_prefill_fallback=a.local_prefill_fallback, request_timeout_s=a.request_timeout_s,
         api_key=a.api_key, tls=tls_config(a), decode_stall_timeout_s=a.decode_stall_timeout_s,

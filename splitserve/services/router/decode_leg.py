@@ -129,6 +129,9 @@ class DecodeLeg:
                         ev = await self._event(call, msg)
                         if ev is not None:
                             yield ev
+                    # every token but the last has its KV computed there: the next turn of a chat can reuse it
+                    held = self.generated.get(0 if self.choice is None else self.choice, [])
+                    self.router.policy.record(self.decode, self.prompt + held[:-1])
                     return
                 except (grpc.aio.AioRpcError, StreamStalled) as exc:
                     nxt = self._next_worker(exc)  # raises when the request cannot move
@@ -159,8 +162,9 @@ class DecodeLeg:
             router.disagg.observe_local_prefill(len(self.prompt) - msg.cached_tokens, seconds)
             router.policy.record(self.decode, self.prompt)
             return
-        if msg.kv_recomputed:
-            router.counters["kv_recomputed"] += 1
+        router.policy.record(self.decode, self.prompt)  # the decode worker's prefix cache now holds the prompt
+        if msg.kv_recomputed or msg.kv_not_pulled:
+            router.counters["kv_recomputed" if msg.kv_recomputed else "kv_not_pulled"] += 1
             router.kv_release.soon(remote.worker, remote.response.kv_handle.transfer_id)
         router.disagg.observe_transfer(len(self.prompt), seconds)
 

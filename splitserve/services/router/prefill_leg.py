@@ -3,8 +3,10 @@
 1. Pick a prefill worker with the routing policy (among workers up now). None up: prefill locally on the decode
    worker, unless local prefill is off and every request must be prefilled remotely (``--disagg always``):
    then the request fails with WorkerUnavailable.
-2. Conditional disaggregation decides local or remote prefill from the *uncached* prompt tokens (prompt tokens
-   minus those the policy expects the worker's prefix cache to hold) and the load of both workers.
+2. Prefill skip: when the policy believes the decode worker's prefix cache holds all but at most
+   ``skip_prefill_tokens`` of the prompt, the decode worker prefills it (computing only the uncached tail).
+   Otherwise conditional disaggregation decides local or remote prefill from the *uncached* prompt tokens (prompt
+   tokens minus those the policy expects the worker's prefix cache to hold) and the load of both workers.
 3. Remote: ``Prefill`` on the worker. A failure before the first token (UNAVAILABLE, deadline, overload,
    internal) moves the request to another prefill worker (at most ``prefill_attempts`` workers in all), then to
    local prefill on the decode worker (``local_prefill_fallback``; off: WorkerUnavailable). Other failures
@@ -100,6 +102,10 @@ async def prefill_leg(router: RoutedBackend, request_id: str, prompt: list[int],
     if prefill is None:
         if not router.local_prefill_fallback and router.disagg.mode == "always":
             raise WorkerUnavailable("no prefill worker is up")
+        return None
+    held = router.policy.matched_tokens(decode, prompt)
+    if router.skip_prefill_tokens and held and len(prompt) - held <= router.skip_prefill_tokens:
+        router.counters["prefill_skipped"] += 1
         return None
     uncached = len(prompt) - router.policy.matched_tokens(prefill, prompt)
     if router.disagg.decide(uncached, prefill.inflight_prefill_tokens, decode.running_requests).local:

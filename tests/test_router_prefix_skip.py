@@ -1,0 +1,74 @@
+"""The router's decode-side prefix knowledge: the prefill leg is skipped when the decode worker holds all but a few
+prompt tokens (prefix_aware policy), and the decode worker holding the longest prefix is preferred."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+from pd.v1 import common_pb2, prefill_pb2
+
+from splitserve.services.router.backend import RoutedBackend
+from splitserve.services.router.disaggregation import DisaggregationPolicy
+from splitserve.services.router.policies import PrefixAware, RoundRobin
+from splitserve.services.router.prefill_leg import prefill_leg
+from splitserve.services.router.registry import DECODE, PREFILL, WorkerState
+
+B = 16
+
+
+class _Stub:
+    def __init__(self) -> None:
+        self.calls = Counter()
+
+    async def Prefill(self, request, timeout=None):
+        self.calls["Prefill"] += 1
+        return prefill_pb2.PrefillResponse(first_token_id=5)
+
+
+class _Registry:
+    def __init__(self, workers) -> None:
+        self.workers = workers
+
+    def up(self, role):
+        return [w for w in self.workers if w.role == role]
+
+
+def _w(addr, role, **kw):
+    w = WorkerState(addr, role, channel=None, stub=_Stub() if role == PREFILL else None, up=True)
+    for k, v in kw.items():
+        setattr(w, k, v)
+    return w
+
+
+def _router(policy, skip=32):
+    workers = [_w("p0", PREFILL), _w("d0", DECODE), _w("d1", DECODE)]
+    return RoutedBackend(_Registry(workers), policy, DisaggregationPolicy("always"), skip_prefill_tokens=skip), workers
+
+
+async def test_prefill_is_skipped_only_when_decode_holds_all_but_a_few_tokens():
+    router, (p0, d0, d1) = _router(PrefixAware(block_size=B, rng=random.Random(0)), skip=20)
+    sampling = common_pb2.SamplingParams(max_tokens=4)
+    history = list(range(100, 100 + 5 * B))  # turn 1: prompt + generated tokens, recorded on d0
+    router.policy.record(d0, history)
+    turn2 = history + list(range(7, 7 + 12))  # 12 new tokens: all but 12 held on d0
+    assert await prefill_leg(router, "a", turn2, sampling, d0, None) is None
+    assert router.counters["prefill_skipped"] == 1 and p0.stub.calls["Prefill"] == 0
+    # the same prompt on a decode worker that holds nothing: prefilled remotely
+    assert await prefill_leg(router, "b", turn2, sampling, d1, None) is not None
+    assert p0.stub.calls["Prefill"] == 1
+    # too many new tokens (more than the threshold): remote prefill, decode then pulls only the delta
+    assert await prefill_leg(router, "c", history + list(range(300, 340)), sampling, d0, None) is not None
+    assert router.counters["prefill_skipped"] == 1 and p0.stub.calls["Prefill"] == 2
+    # the preferred decode worker is the holder
+    assert all(router.pick(DECODE, turn2, set()) is d0 for _ in range(5))
+
+
+async def test_no_skip_without_knowledge_or_when_off():
+    router, (p0, d0, _) = _router(RoundRobin())  # round robin knows nothing about prefixes
+    sampling = common_pb2.SamplingParams(max_tokens=4)
+    assert await prefill_leg(router, "a", list(range(40)), sampling, d0, None) is not None
+    router, (p0, d0, _) = _router(PrefixAware(block_size=B), skip=0)
+    router.policy.record(d0, list(range(4 * B)))
+    assert await prefill_leg(router, "b", list(range(4 * B)), sampling, d0, None) is not None
+    assert router.counters["prefill_skipped"] == 0
