@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from splitserve.engine.sampling import SamplingParams
 
@@ -60,6 +60,8 @@ class Sequence:
     matcher: GuidedMatcher | None = None
     prompt_logprobs: PromptLogprobs | None = None
     step_results: list[Any] | None = None
+    # KV push: called (engine thread) with (block_table, layers done) after each layer of the step completing the prompt
+    on_layers: Callable[[list[int], int], None] | None = None
 
     @property
     def token_ids(self) -> list[int]:

@@ -6,7 +6,8 @@ import argparse
 from dataclasses import dataclass
 
 from splitserve.cli_help import SECRET_DEFAULT, new_parser
-from splitserve.env import EnvError, env_bool, env_float, env_int, env_str
+from splitserve.env import EnvError, env_bool, env_choice, env_float, env_int, env_str
+from splitserve.kvstore.config import TRANSFER_MODES
 from splitserve.config_checks import check_port
 from splitserve.paths import default_model_path
 from splitserve.rpc.keepalive import KeepaliveConfig, add_keepalive_args, keepalive_config
@@ -39,6 +40,7 @@ class RouterConfig:
     keepalive: KeepaliveConfig = KeepaliveConfig()  # gRPC PINGs: hung workers detected
     shutdown_grace_s: float = DEFAULT_GRACE_S  # SIGTERM: in-flight requests may finish within this (0: stop at once)
     http: HttpLimits = HttpLimits()  # read deadlines and connection cap of the HTTP listener (PD_HTTP_*)
+    kv_transfer_mode: str = "direct"  # "push": prefill and decode dispatched at once (push_leg); direct/store: pull
 
     def __post_init__(self) -> None:
         check_grace(self.shutdown_grace_s)
@@ -60,6 +62,8 @@ class RouterConfig:
             raise ValueError(f"--disagg must be 'always', 'auto' or a token count, got {self.disagg!r}")
         if self.poll_interval_s <= 0 or self.miss_limit < 1 or self.prefill_attempts < 1 or self.decode_attempts < 1:
             raise ValueError("--poll-interval-s must be > 0; --miss-limit and the attempt counts >= 1")
+        if self.kv_transfer_mode not in TRANSFER_MODES:
+            raise ValueError(f"--kv-transfer-mode must be one of {', '.join(TRANSFER_MODES)}, got {self.kv_transfer_mode!r}")
         if self.request_timeout_s is not None and self.request_timeout_s <= 0:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
 
@@ -114,6 +118,9 @@ def parse(argv: list[str] | None = None) -> RouterConfig:
                     help=f"require Authorization: Bearer <key> on the HTTP API and RouterService; prefer PD_API_KEY {SECRET_DEFAULT}")
     ap.add_argument("--decode-stall-timeout-s", type=_optional_float, default=_optional_float_env("PD_DECODE_STALL_TIMEOUT_S", "60"),
                     help="a decode stream with no message for this long fails (failover before its first token); 0: off")
+    ap.add_argument("--kv-transfer-mode", default=env_choice("PD_KV_TRANSFER_MODE", TRANSFER_MODES, "direct"), choices=TRANSFER_MODES,
+                    help="push: dispatch prefill and decode at once, the prefill worker writes the KV into the decode "
+                         "worker's blocks layer by layer; direct/store: the decode worker reads it after the prefill")
     add_tls_args(ap)
     add_keepalive_args(ap)
     add_shutdown_args(ap)
@@ -126,4 +133,5 @@ def parse(argv: list[str] | None = None) -> RouterConfig:
         local_prefill_fallback=a.local_prefill_fallback, request_timeout_s=a.request_timeout_s,
         api_key=a.api_key, tls=tls_config(a), decode_stall_timeout_s=a.decode_stall_timeout_s,
         keepalive=keepalive_config(a), shutdown_grace_s=a.shutdown_grace_s, http=HttpLimits.from_env(),
+        kv_transfer_mode=a.kv_transfer_mode,
     )

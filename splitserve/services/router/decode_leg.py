@@ -56,13 +56,16 @@ class DecodeLeg:
         decode: the decode worker picked first.
         remote: the prefill leg's result; None: the decode worker prefills locally.
         deadline: absolute ``time.monotonic()`` seconds, or None.
+        call: push mode: the Decode stream already running for a pushed KV (:mod:`.push_leg`); it is not retried on
+            another worker (the KV is only on this one).
 
     Attributes:
         started: a decode stream sent its first message (from then on a failure is not retried).
     """
 
     def __init__(self, router: RoutedBackend, request_id: str, prompt: list[int], sampling: common_pb2.SamplingParams,
-                 decode: WorkerState, remote: RemotePrefill | None, deadline: float | None) -> None:
+                 decode: WorkerState, remote: RemotePrefill | None, deadline: float | None,
+                 call: grpc.aio.UnaryStreamCall | None = None) -> None:
         self.router = router
         self.request_id = request_id
         self.prompt = prompt
@@ -73,7 +76,9 @@ class DecodeLeg:
         self.started = False
         self.logprobs = sampling.HasField("logprobs")
         self.open_choices = set(range(sampling.n or 1))  # choices without a finish_reason yet
-        if remote is None:
+        self.pushed_call = call
+        self.retry = call is None  # a pushed KV is only on the first decode worker
+        if remote is None or call is not None:
             self.request = decode_pb2.DecodeRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling)
         else:
             first = remote.first_token_ids
@@ -100,7 +105,7 @@ class DecodeLeg:
                 w = self.decode
                 w.inflight_requests += 1
                 t0 = time.monotonic()
-                call = w.stub.Decode(self.request, timeout=hop_timeout(self.deadline))
+                call, self.pushed_call = self.pushed_call or w.stub.Decode(self.request, timeout=hop_timeout(self.deadline)), None
                 try:
                     async for msg in stall_guard(call, self.router.decode_stall_timeout_s, f"decode worker {w.address}"):
                         if not self.started:
@@ -116,7 +121,7 @@ class DecodeLeg:
                     if not call.done():
                         call.cancel()
         finally:
-            if remote is not None and not self.started:
+            if remote is not None and not self.started and remote.response.HasField("kv_handle"):
                 self.router.kv_release.soon(remote.worker, remote.response.kv_handle.transfer_id)  # survives our cancel
 
     def _first_message(self, msg: decode_pb2.DecodeResponse, seconds: float) -> None:
@@ -159,7 +164,7 @@ class DecodeLeg:
             err = error_from_rpc(exc, f"decode worker {w.address}")
         if code in DOWN:  # unreachable, hung, stalled or draining: out of rotation, even mid-stream
             router.registry.mark_failed(w, reason)
-        if self.started or not retryable(code, self.deadline):
+        if self.started or not retryable(code, self.deadline) or not self.retry:
             _raise(err, exc)
         self.tried.add(w.address)
         nxt = router.pick(DECODE, self.prompt, self.tried) if len(self.tried) < router.decode_attempts else None

@@ -20,7 +20,7 @@ def build_backend(config: RouterConfig) -> RoutedBackend:
     return RoutedBackend(registry, make_policy(config.policy), DisaggregationPolicy(config.disagg),
                          prefill_timeout_s=config.prefill_timeout_s, prefill_attempts=config.prefill_attempts,
                          decode_attempts=config.decode_attempts, local_prefill_fallback=config.local_prefill_fallback,
-                         decode_stall_timeout_s=config.decode_stall_timeout_s)
+                         decode_stall_timeout_s=config.decode_stall_timeout_s, kv_transfer_mode=config.kv_transfer_mode)
 
 
 def workers_route(backend: RoutedBackend, path: str = "/v1/workers") -> Route:
