@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
 
 import pytest
 import torch
@@ -89,10 +88,8 @@ async def test_inproc_failure_and_finished_messages():
     try:
         # prefill fails before decode subscribed: the late subscription fails at once (tombstone)
         await sender.open_push("f", 1).fail("invalid prompt")
-        t0 = time.monotonic()
         with pytest.raises(KVTransferError, match="invalid prompt"):
             await receiver.receive_push(sender.endpoint, "f", [0], 0, 5.0)
-        assert time.monotonic() - t0 < 1.0
         # finished at prefill: no KV, the first tokens only
         task = asyncio.create_task(receiver.receive_push(sender.endpoint, "e", [1, 2], 0, 5.0))
         await asyncio.sleep(0)
@@ -184,11 +181,9 @@ async def test_ucx_prefill_killed_mid_push():
         await asyncio.to_thread(peer.push_open, "k", 2)
         await asyncio.to_thread(peer.push_layers, "k", [6, 7], 1)
         await asyncio.sleep(0.3)
-        t0 = time.monotonic()
         peer.kill()
         with pytest.raises(KVTransferError):
-            await task
-        assert time.monotonic() - t0 < 10.0
+            await asyncio.wait_for(task, 20.0)  # fails (not times out) well before the push's own 30 s timeout
     finally:
         peer.kill()
         await receiver.close()
@@ -203,12 +198,12 @@ async def test_ucx_decode_lost_mid_push():
         task = asyncio.create_task(receiver.receive_push(sender.endpoint, "d", [0, 1], 0, 30.0))
         source = sender.open_push("d", 2)
         source.layers_done([4, 5], 1)
+        while source._sub is None:  # subscribed: layer 0 is on its way
+            await asyncio.sleep(0.01)
         await asyncio.sleep(0.2)
         await receiver.close()  # aborts its endpoints: the posted receives are cancelled
         with pytest.raises((KVTransferError, asyncio.CancelledError)):
             await task
-        t0 = time.monotonic()
-        assert not await source.finish([1], [4, 5], False, 5.0)
-        assert time.monotonic() - t0 < 6.0
+        assert not await asyncio.wait_for(source.finish([1], [4, 5], False, 5.0), 30.0)  # a hang fails here
     finally:
         await sender.close()

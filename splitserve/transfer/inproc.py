@@ -52,7 +52,7 @@ class InprocKVSender(KVSender):
         self._port = int(port)
         self._endpoint: str | None = None
         self._table = TransferTable(self._num_blocks)
-        self.push_table = PushTable(layout.num_layers, push_wait_s)
+        self.push_table = PushTable(layout.num_layers, push_wait_s, "inproc")
         self._closed = False
         self.stats = TransferStats()
 

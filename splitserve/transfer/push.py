@@ -17,6 +17,10 @@ Lifecycle of one push (one *bootstrap id*, chosen at random by the router and se
    frees its blocks at once; a failure before the subscription leaves a tombstone that fails it on arrival.
 
 Invariant: the source blocks must not be written or freed until ``finish``/``fail`` returned.
+
+Telemetry: one ``kv.send`` span per push (a child of the decode side's ``kv.receive`` span through the trace context
+of the subscription; bytes, duration, outcome, the ``splitserve:kv_transfer_*`` metrics), with one
+``kv.push.layers`` event per layer group sent (its layers and bytes).
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ import asyncio
 import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+
+from splitserve.telemetry.transfer import start_send
 
 logger = logging.getLogger("splitserve.transfer")
 
@@ -51,6 +57,10 @@ class Subscriber(ABC):
 
     num_blocks: int
     groups: list[tuple[int, int]]
+
+    def alive(self) -> bool:
+        """False once the decode side's connection is known to be broken."""
+        return True
 
     @abstractmethod
     def send_group(self, j: int, src_block_ids: list[int]) -> int:
@@ -84,6 +94,7 @@ class PushSource:
         self._src: list[int] | None = None
         self._layers_ready = 0
         self._sent = 0  # groups sent, in order
+        self._obs = None  # the kv.send span, from the subscription on
         self.nbytes = 0
         self.closed = False
 
@@ -101,6 +112,7 @@ class PushSource:
 
     def _attach(self, sub: Subscriber) -> None:
         self._sub = sub
+        self._obs = start_send(self._table.transport, self.bootstrap_id, self.num_blocks, getattr(sub, "trace_context", ""))
         self._attached.set()
         self._pump()
 
@@ -109,8 +121,13 @@ class PushSource:
         if sub is None or src is None or self.closed:
             return
         try:
+            if not sub.alive():
+                raise ConnectionError("the decode side's connection is broken")
             while self._sent < len(sub.groups) and sub.groups[self._sent][1] <= self._layers_ready:
-                self.nbytes += sub.send_group(self._sent, src)
+                n = sub.send_group(self._sent, src)
+                self.nbytes += n
+                l0, l1 = sub.groups[self._sent]
+                self._obs.span.add_event("kv.push.layers", {"splitserve.kv.layers": f"{l0}-{l1}", "splitserve.kv.bytes": n})
                 self._sent += 1
         except Exception as exc:  # the decode side's endpoint failed: finish reports it (settle is False)
             logger.warning("KV push %s: sending failed: %r", self.bootstrap_id, exc)
@@ -136,11 +153,18 @@ class PushSource:
                 return False
             if not finished:
                 self._progress(list(src_block_ids[: self.num_blocks]), self.num_layers)
-            if self._layers_ready < 0:
-                sub.fail("sending failed")
-            else:
-                sub.complete(list(first_token_ids), finished, None if finished else self._src)
-            return await sub.settle(timeout_s) and self._layers_ready >= 0
+            ok = self._layers_ready >= 0 and sub.alive()
+            try:
+                if ok:
+                    sub.complete(list(first_token_ids), finished, None if finished else self._src)
+                else:
+                    sub.fail("sending failed")
+            except Exception as exc:  # the connection broke meanwhile
+                logger.warning("KV push %s: completing failed: %r", self.bootstrap_id, exc)
+                ok = False
+            ok = await sub.settle(timeout_s if ok else 0.0) and ok
+            self._obs.finish(ok, self.nbytes, None if ok else "push failed")
+            return ok
         finally:
             self._close()
 
@@ -155,6 +179,7 @@ class PushSource:
             except Exception as exc:
                 logger.info("KV push %s: could not send the failure: %r", self.bootstrap_id, exc)
             await self._sub.settle(timeout_s)
+            self._obs.finish(False, self.nbytes, detail)
         finally:
             self._close()
 
@@ -167,12 +192,13 @@ class PushTable:
     """Pairs subscriptions and sources by bootstrap id (one sender; runs on its event loop).
 
     Args:
-        num_layers: layers of the KV layout.
+        num_layers: layers of the KV layout. transport: the backend's name (telemetry labels).
         wait_s: how long a subscription waits for its source, and a failure is remembered for a late subscription.
     """
 
-    def __init__(self, num_layers: int, wait_s: float = 10.0) -> None:
+    def __init__(self, num_layers: int, wait_s: float = 10.0, transport: str = "ucx") -> None:
         self.num_layers = num_layers
+        self.transport = transport
         self.wait_s = wait_s
         self._sources: dict[str, PushSource] = {}
         self._waiting: dict[str, tuple[Subscriber, asyncio.TimerHandle]] = {}

@@ -56,6 +56,16 @@ class UcxSubscriber(Subscriber):
             raise KVTransferError(f"push connection failed: {self._error!r}")
         return self._posted
 
+    def alive(self) -> bool:
+        uep = getattr(self._ep, "_ep", None)
+        if self._posted is None or uep is None:
+            return False
+        try:
+            uep.raise_on_error()
+        except Exception:
+            return False
+        return self._posted.first_error() is None
+
     def send_group(self, j: int, src_block_ids: list[int]) -> int:
         p, (l0, l1) = self._p(), self.groups[j]
         bn, ln, base = self._bn, self._ln, self._tag + 1 + j * self.num_blocks
