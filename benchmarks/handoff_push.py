@@ -16,7 +16,7 @@ Prints p50/p90 per deployment for a short and a long prompt, the push/direct rat
 handoff). Prompts are random token ids (unique: no prefix reuse). Checks that every deployment produced the same
 greedy tokens for a prompt. Prints numbers; asserts nothing else.
 
-    .venv/bin/python benchmarks/handoff_push.py [--model synthetic:llama-25m] [--requests 30] [--sweep-requests 10]
+    .venv/bin/python -u benchmarks/handoff_push.py [--model synthetic:llama-25m] [--requests 30] [--sweep-requests 10]
 """
 
 from __future__ import annotations
@@ -30,7 +30,9 @@ import subprocess
 import sys
 import time
 
+import grpc
 import httpx
+from pd.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
 from splitserve.client import RouterClient
 from splitserve.launcher import build_cluster, free_port
@@ -118,6 +120,21 @@ def report(title: str, res, deps: list[str], lengths: list[int]) -> None:
                   f"{pct(gap, .9):>8.2f} | {statistics.median(gap) / bg:>10.2f} {statistics.median(ttft) / bt:>11.2f}")
 
 
+async def counters(cluster) -> str:
+    """What the workers of one deployment did (pushed / pulled / recomputed), to check the runs took their path."""
+    out = {}
+    for child in cluster.children:
+        if child.name not in ("prefill-0", "decode-0"):
+            continue
+        stub = prefill_pb2_grpc.PrefillServiceStub if child.name.startswith("prefill") else decode_pb2_grpc.DecodeServiceStub
+        async with grpc.aio.insecure_channel(child.health.removeprefix("grpc:")) as ch:
+            c = dict((await stub(ch).GetStats(common_pb2.GetStatsRequest(), timeout=10)).counters)
+        keys = (("requests", "kv_pushes", "kv_push_fallbacks") if child.name.startswith("prefill")
+                else ("requests", "kv_pushes_received", "kv_transfers_ok", "local_prefills", "kv_transfer_fallbacks"))
+        out[child.name] = {k: int(c.get(k, 0)) for k in keys}
+    return str(out)
+
+
 async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="synthetic:llama-25m")
@@ -139,8 +156,10 @@ async def main() -> None:
     }
     clusters, deps = [], {}
     for name, (mode, role_args) in specs.items():
+        # a prefill worker busy with a long prompt may miss heartbeats on a loaded machine: never take it out of
+        # rotation here (the request would be prefilled on the decode worker instead, a different path)
         c, _http, grpc_port = build_cluster(model=a.model, http_port=0, grpc_port=0, worker_args=[*worker, *mode],
-                                            env=ENV, router_args=mode, role_args=role_args)
+                                            env=ENV, router_args=[*mode, "--miss-limit", "1000000"], role_args=role_args)
         clusters.append(c)
         deps[name] = f"127.0.0.1:{grpc_port}"
     colo = Colocated(a.model, worker)
@@ -165,6 +184,8 @@ async def main() -> None:
         sweep_res = await measure(deps, sweep, a.sweep_requests, a.max_tokens, rng, vocab)
         report("prompt-length sweep", sweep_res, list(deps), sweep)
         print(f"\nload average at the end {os.getloadavg()[0]:.1f}")
+        for name, c in zip(specs, clusters):
+            print(f"{name}: {await counters(c)}")
     finally:
         colo.stop()
         for c in clusters:
