@@ -19,7 +19,7 @@ from splitserve.rpc.shutdown import DEFAULT_GRACE_S
 from splitserve.rpc.tls import TlsConfig, add_tls_args, tls_config
 
 TRANSPORTS = ("ucx",)
-TRANSFER_MODES = ("direct", "store")
+TRANSFER_MODES = ("direct", "store", "push")
 POLICIES = ("round_robin", "least_loaded", "prefix_aware")
 DEFAULT_OTLP_ENDPOINT = "http://127.0.0.1:4317"
 
@@ -135,7 +135,7 @@ class UpConfig:
         name = ["--served-model-name", self.served_model_name] if self.served_model_name else []
         planner = (["--planner", *(["--slo-ttft-ms", str(self.slo_ttft_ms)] if self.slo_ttft_ms else []),
                     *(["--slo-itl-ms", str(self.slo_itl_ms)] if self.slo_itl_ms else [])] if self.planner else [])
-        return ["--policy", self.policy, "--disagg", self.disagg, *name, *planner]
+        return ["--policy", self.policy, "--disagg", self.disagg, "--kv-transfer-mode", self.kv_transfer_mode, *name, *planner]
 
     def router_env(self) -> dict[str, str]:
         """Variables only the router gets: its API key (an environment variable is not visible in ``ps``)."""
@@ -222,7 +222,8 @@ def parse(argv: list[str] | None = None) -> UpConfig:
     ap.add_argument("--store-mb", type=int, default=env_int("PD_KVSTORE_SEGMENT_MB", 256), help="memory segment per storage node, MiB")
     ap.add_argument("--store-replicas", type=int, default=env_int("PD_KVSTORE_REPLICAS", 1), help="copies per object on distinct nodes")
     ap.add_argument("--kv-transfer-mode", default=env_choice("PD_KV_TRANSFER_MODE", TRANSFER_MODES, "direct"), choices=TRANSFER_MODES,
-                    help="direct: decode pulls KV from prefill over UCX; store: through the KV store")
+                    help="direct: decode pulls KV from prefill over UCX; store: through the KV store; "
+                         "push: prefill and decode at once, prefill writes the KV into decode's blocks layer by layer")
     ap.add_argument("--policy", default=env_choice("PD_ROUTING_POLICY", POLICIES, "round_robin"), choices=POLICIES,
                     help="router's worker selection policy")
     ap.add_argument("--disagg", default=env_str("PD_DISAGG", "always"),

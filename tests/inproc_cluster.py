@@ -49,14 +49,17 @@ class InprocCluster:
         tls: TlsConfig | None = None, api_key: str | None = None, lease_s: float = 30.0, transfer_timeout_s: float = 2.0,
         transfer_failure: str = "fallback", verify_checksum: bool = False, corrupt: bool = False,
         advertise: str | None = None, request_timeout_s: float | None = None, prefill_timeout_s: float = 60.0,
-        local_prefill_fallback: bool = True, kv_cache_mb: int = 4,
+        local_prefill_fallback: bool = True, kv_cache_mb: int = 4, kv_transfer_mode: str = "direct",
+        push_layer_groups: int = 0, push_timeout_s: float = 60.0,
     ) -> None:
         self.lm = lm
         self.tls = tls
         self.api_key = api_key
         self._opts = dict(num_prefill=num_prefill, num_decode=num_decode, dead_prefill=dead_prefill, dead_decode=dead_decode,
                           lease_s=lease_s, transfer_timeout_s=transfer_timeout_s, transfer_failure=transfer_failure,
-                          verify_checksum=verify_checksum, corrupt=corrupt, advertise=advertise, kv_cache_mb=kv_cache_mb)
+                          verify_checksum=verify_checksum, corrupt=corrupt, advertise=advertise, kv_cache_mb=kv_cache_mb,
+                          push_layer_groups=push_layer_groups, push_timeout_s=push_timeout_s)
+        self.kv_transfer_mode = kv_transfer_mode
         self.request_timeout_s = request_timeout_s
         self.prefill_timeout_s = prefill_timeout_s
         self.local_prefill_fallback = local_prefill_fallback
@@ -85,7 +88,8 @@ class InprocCluster:
             await engine.start()
             receiver = create_receiver("inproc", engine.kv_cache, engine.layout, verify_checksum=o["verify_checksum"])
             await receiver.start()
-            servicer = DecodeServicer(engine, receiver, "inproc", o["transfer_timeout_s"], o["transfer_failure"])
+            servicer = DecodeServicer(engine, receiver, "inproc", o["transfer_timeout_s"], o["transfer_failure"],
+                                      push_timeout_s=o["push_timeout_s"], push_layer_groups=o["push_layer_groups"])
             server, address = await self._server(decode_pb2_grpc.add_DecodeServiceServicer_to_server, servicer)
             self.decode.append(Worker(servicer, engine, server, address, [receiver.close, engine.stop]))
         dead_p = [f"127.0.0.1:{free_port()}" for _ in range(o["dead_prefill"])]
@@ -93,7 +97,10 @@ class InprocCluster:
         self.backend = static_backend(
             dead_p + [w.address for w in self.prefill], dead_d + [w.address for w in self.decode], tls=self.tls,
             prefill_timeout_s=self.prefill_timeout_s, local_prefill_fallback=self.local_prefill_fallback,
+            kv_transfer_mode=self.kv_transfer_mode,
         )
+        for w, live in zip(self.backend.registry.workers["prefill"][len(dead_p):], self.prefill):
+            w.kv_endpoint = live.servicer.endpoint  # what the registry's poll reads from GetKVLayout
         self.router_servicer = RouterServicer(self.backend, self.lm.tokenizer, self.lm.max_model_len)
         self.router_server, _ = create_server(api_key=self.api_key, protected_services=["pd.v1.RouterService"])
         router_pb2_grpc.add_RouterServiceServicer_to_server(self.router_servicer, self.router_server)

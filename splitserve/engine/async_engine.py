@@ -10,7 +10,7 @@ import contextlib
 import itertools
 import logging
 from collections.abc import Sequence as Seq
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import torch
 
@@ -223,6 +223,7 @@ class AsyncEngine:
     async def prefill(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
         cached: OwnedBlocks | None = None, num_cached_tokens: int = 0,
+        on_layers: Callable[[list[int], int], None] | None = None,
     ) -> PrefillOutput:
         """Run prefill; returns the first token of each of the ``params.n`` choices (choice i sampled with
         ``params.for_choice(i)`` from the last prompt position's logits) and, unless every choice finished, the
@@ -235,12 +236,15 @@ class AsyncEngine:
         below the prompt length (the last prompt token is always computed: its logits give the first
         token). A request with ``params.prompt_logprobs`` must compute the whole prompt (no ``cached``).
         Raises InvalidRequest (``cached`` then stays with the caller).
+
+        ``on_layers(block_table, num_layers)`` (KV push) is called on the engine thread after each layer of the
+        step that completes the prompt: the prompt's K/V of layers ``[0, num_layers)`` is then in the blocks.
         """
         self._validate(prompt_token_ids, params, prefill_only=True)
         if params.prompt_logprobs is not None and num_cached_tokens:
             raise InvalidRequest("prompt_logprobs needs every prompt token computed: pass no cached KV blocks")
         self._check_cached(len(prompt_token_ids) - 1, [] if cached is None else cached.block_ids, num_cached_tokens)
-        seq = Sequence(request_id, list(prompt_token_ids), params, SeqMode.PREFILL_ONLY)
+        seq = Sequence(request_id, list(prompt_token_ids), params, SeqMode.PREFILL_ONLY, on_layers=on_layers)
         seq.num_computed_tokens = seq.cached_tokens = num_cached_tokens
         seq.matcher = self._matcher(params)  # masks every choice's first token
         outs: list[RequestOutput] = []

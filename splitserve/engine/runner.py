@@ -73,6 +73,7 @@ class ModelRunner:
             seq_lens=seq_lens,
             block_tables=[seq.block_table for seq in seqs],
             block_size=bs,
+            on_layer_done=_layer_hook(seqs),
         )
         threads = self.threads_for(len(input_ids), len(seqs))
         if torch.get_num_threads() != threads:
@@ -160,6 +161,19 @@ class StepBuffers:
         a[1, :n] = positions
         a[2, :n] = slot_mapping
         return self._t[0, :n], self._t[1, :n], self._t[2, :n]
+
+
+def _layer_hook(seqs: list[Sequence]):
+    """The step's per-layer callback: tells every sequence with ``on_layers`` whose prompt this step completes that
+    layers ``[0, i + 1)`` of its KV are written (None when no sequence asks)."""
+    pushes = [s for s in seqs if s.on_layers is not None and not s.is_partial_prefill]
+    if not pushes:
+        return None
+
+    def done(i: int) -> None:
+        for s in pushes:
+            s.on_layers(s.block_table, i + 1)
+    return done
 
 
 def _token_slice(seq: Sequence, start: int, end: int) -> list[int]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from splitserve.engine.sampling import SamplingParams
 
@@ -62,6 +62,8 @@ class Sequence:
     step_results: list[Any] | None = None
     block_hashes: list[bytes] = field(default_factory=list)  # prefix cache keys of full blocks of token_ids, so far
     num_keyed_blocks: int = 0  # leading blocks of block_table the prefix cache has keyed
+    # KV push: called (engine thread) with (block_table, layers done) after each layer of the step completing the prompt
+    on_layers: Callable[[list[int], int], None] | None = None
 
     @property
     def token_ids(self) -> list[int]:

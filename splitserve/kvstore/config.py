@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from splitserve.env import env_choice, env_float, env_str
 
-TRANSFER_MODES = ("direct", "store")
+TRANSFER_MODES = ("direct", "store", "push")
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,8 +17,10 @@ class StoreClientConfig:
     master: gRPC address of the KV store master; empty = no store (no prefix reuse, direct transfer only).
     transfer_mode: "direct" -- the decode worker pulls the prompt's KV from the prefill worker over UCX;
         "store" -- the prefill worker writes it to the store and the decode worker reads it from there
-        (Mooncake style). Prefix reuse works in both modes. Only the prefill worker's setting matters:
-        the KV handle tells the decode worker where to read.
+        (Mooncake style); "push" -- the router dispatches prefill and decode at once and the prefill worker
+        writes the KV into the decode worker's blocks layer by layer (the router's setting decides; a prefill
+        worker serves pulls as in direct mode). Prefix reuse works in every mode. Otherwise only the prefill
+        worker's setting matters: the KV handle tells the decode worker where to read.
     salt: extra namespace of block hashes (e.g. a weights revision; see splitserve.kvstore.block_hash).
     io_timeout_s: deadline of one UCX read/write of object bytes. rpc_timeout_s: of one master call.
     wait_s: how long a decode worker waits for blocks its prefill worker is still writing (store mode).
@@ -47,7 +49,8 @@ class StoreClientConfig:
 def add_store_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--kvstore-master", default=env_str("PD_KVSTORE_MASTER", ""), help="KV store master host:port (empty: no store)")
     ap.add_argument("--kv-transfer-mode", default=env_choice("PD_KV_TRANSFER_MODE", TRANSFER_MODES, "direct"), choices=TRANSFER_MODES,
-                    help="direct: decode pulls KV from prefill over UCX; store: through the KV store")
+                    help="direct: decode pulls KV from prefill over UCX; store: through the KV store; push: prefill writes it into "
+                         "decode's blocks layer by layer (set it on the router)")
     ap.add_argument("--kvstore-salt", default=env_str("PD_KVSTORE_SALT", ""),
                     help="extra namespace of block hashes in the store (e.g. a weights revision)")
     ap.add_argument("--kvstore-io-timeout-s", type=float, default=env_float("PD_KVSTORE_IO_TIMEOUT_S", 5.0),

@@ -17,6 +17,7 @@ whole context is new.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +33,7 @@ class AttentionMetadata:
         seq_lens: total context per sequence after this step (cached + new), each >= its query_len.
         block_tables: per sequence, block ids covering its first seq_len positions.
         block_size: tokens per block; must equal ``kv_cache.shape[3]``.
+        on_layer_done: called with ``i`` after layer ``i`` wrote its K/V (KV push of prefill steps); None: not.
     """
 
     slot_mapping: torch.Tensor
@@ -39,6 +41,7 @@ class AttentionMetadata:
     seq_lens: list[int]
     block_tables: list[list[int]]
     block_size: int
+    on_layer_done: Callable[[int], None] | None = None
 
 
 @dataclass

@@ -162,6 +162,8 @@ class CausalLM(nn.Module):
         ref = self.reference_attention
         for i, layer in enumerate(self.model.layers):
             h = layer.forward(h, cos, sin, kv_cache, i, None if ref else plan, attn)
+            if attn.on_layer_done is not None:
+                attn.on_layer_done(i)
         if logits_indices is not None:
             h = h[logits_indices.to(dev)]
         elif plan.last_token_index is not None:

@@ -38,6 +38,8 @@ from splitserve.transfer.layout import KVLayout
 if TYPE_CHECKING:
     import torch
 
+    from splitserve.transfer.push import PushResult, PushSource, PushTable
+
 __all__ = [
     "KVReceiver",
     "KVSender",
@@ -81,6 +83,13 @@ class KVSender(ABC):
     """
 
     stats: TransferStats
+    push_table: PushTable  # push subscriptions and sources (:mod:`splitserve.transfer.push`)
+
+    def open_push(self, bootstrap_id: str, num_blocks: int, wait_s: float | None = None) -> PushSource:
+        """Start pushing a prompt of ``num_blocks`` KV blocks to the decode worker that subscribes (or subscribed)
+        under ``bootstrap_id`` (:class:`~splitserve.transfer.push.PushSource`; event loop). Raises ValueError on a
+        duplicate id."""
+        return self.push_table.open(bootstrap_id, num_blocks, wait_s)
 
     @abstractmethod
     async def start(self) -> None:
@@ -131,6 +140,15 @@ class KVReceiver(ABC):
         Cancel-safe: when it raises (including ``asyncio.CancelledError``) no receive into the destination
         blocks is left posted, so the caller may free them at once.
         """
+
+    async def receive_push(self, endpoint: str, bootstrap_id: str, dst_block_ids: list[int], layer_groups: int,
+                           timeout_s: float) -> PushResult:
+        """Subscribe under ``bootstrap_id`` on the sender at ``endpoint`` and wait (at most ``timeout_s``) until the
+        prompt's KV was pushed into local blocks ``dst_block_ids`` (in prompt order) and its completion arrived.
+        ``layer_groups``: messages per block (0: one per layer). Raises KVTransferError (the prefill failed, no
+        prefill request came, unreachable, timeout, connection lost), KVChecksumMismatch (with verify_checksum),
+        KVLayoutMismatch, InvalidRequest. Cancel-safe like :meth:`fetch`."""
+        raise KVTransferError(f"{type(self).__name__} cannot receive KV pushes")
 
     @abstractmethod
     async def close(self) -> None:

@@ -37,6 +37,7 @@ class Status(enum.IntEnum):
     INVALID = 2
     LAYOUT_MISMATCH = 3
     CLOSING = 4
+    FAILED = 5  # push: the prefill failed or the push could not be paired (detail says why)
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from splitserve.transfer.common import (
 )
 from splitserve.transfer.kv_cache import byte_view, check_cache
 from splitserve.transfer.layout import KVLayout
+from splitserve.transfer.push import PushResult, PushTable
 from splitserve.telemetry.transfer import start_send
 
 __all__ = ["InprocKVReceiver", "InprocKVSender"]
@@ -38,7 +39,8 @@ _ports = itertools.count(40000)
 
 class InprocKVSender(KVSender):
     def __init__(
-        self, kv_cache: torch.Tensor, layout: KVLayout, *, host: str = "127.0.0.1", port: int = 0, corrupt_sends: bool = False
+        self, kv_cache: torch.Tensor, layout: KVLayout, *, host: str = "127.0.0.1", port: int = 0, corrupt_sends: bool = False,
+        push_wait_s: float = 10.0,
     ) -> None:
         self._num_blocks = check_cache(kv_cache, layout)
         self._corrupt_sends = bool(corrupt_sends)
@@ -50,6 +52,7 @@ class InprocKVSender(KVSender):
         self._port = int(port)
         self._endpoint: str | None = None
         self._table = TransferTable(self._num_blocks)
+        self.push_table = PushTable(layout.num_layers, push_wait_s, "inproc")
         self._closed = False
         self.stats = TransferStats()
 
@@ -92,6 +95,7 @@ class InprocKVSender(KVSender):
         with _registry_lock:
             if self._endpoint is not None and _registry.get(self._endpoint) is self:
                 del _registry[self._endpoint]
+        self.push_table.fail_all("KV sender is closing")
         for reg in self._table.drain():
             self.stats.transfers_failed += 1
             call_on_done(reg, False)
@@ -115,6 +119,31 @@ class InprocKVReceiver(KVReceiver):
 
     async def close(self) -> None:
         self._closed = True
+
+    async def receive_push(self, endpoint: str, bootstrap_id: str, dst_block_ids: list[int], layer_groups: int,
+                           timeout_s: float) -> PushResult:
+        from splitserve.transfer.inproc_push import receive_push
+
+        if self._closed:
+            raise KVTransferError("receiver is closed")
+        compute_segments(dst_block_ids, dst_block_ids, self._num_blocks)  # range and duplicate checks
+        if timeout_s <= 0:
+            raise InvalidRequest("timeout_s must be positive")
+        parse_endpoint(endpoint)
+        with _registry_lock:
+            sender = _registry.get(endpoint)
+        try:
+            if sender is None or sender._closed:
+                raise KVTransferError(f"no inproc KV sender at {endpoint}")
+            result = await receive_push(sender, self, endpoint, bootstrap_id, dst_block_ids, layer_groups, timeout_s)
+        except BaseException:
+            self.stats.transfers_failed += 1
+            raise
+        self.stats.bytes_received += result.nbytes
+        sender.stats.bytes_sent += result.nbytes
+        self.stats.transfers_ok += 1
+        sender.stats.transfers_ok += 1
+        return result
 
     async def fetch(
         self,

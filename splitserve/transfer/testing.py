@@ -68,6 +68,7 @@ async def _child_async(conn, layout: KVLayout, num_blocks: int, salt: int, kind:
     sender = create_sender(kind, pool, layout, host="127.0.0.1", port=0, **options)
     await sender.start()
     events: list[tuple[str, bool]] = []
+    sources: dict = {}
     loop = asyncio.get_running_loop()
     conn.send(("ready", sender.endpoint))
     try:
@@ -89,6 +90,17 @@ async def _child_async(conn, layout: KVLayout, num_blocks: int, salt: int, kind:
                 conn.send(("ok", list(events)))
             elif cmd == "stats":
                 conn.send(("ok", dataclasses.asdict(sender.stats)))
+            elif cmd == "push_open":  # (bootstrap id, num blocks): a push source, as a prefill worker opens one
+                bid, nblocks = args
+                sources[bid] = sender.open_push(bid, nblocks)
+                conn.send(("ok", None))
+            elif cmd == "push_layers":  # (bootstrap id, src block ids, layers done)
+                bid, blocks, n = args
+                sources[bid].layers_done(blocks, n)
+                conn.send(("ok", None))
+            elif cmd == "push_finish":  # (bootstrap id, src block ids, first tokens) -> delivered
+                bid, blocks, tokens = args
+                conn.send(("ok", await sources.pop(bid).finish(tokens, blocks, False, 10.0)))
             elif cmd == "close":
                 await sender.close()
                 conn.send(("ok", list(events)))
@@ -153,6 +165,15 @@ class SenderProcess:
 
     def unregister(self, transfer_id: str) -> bool:
         return self._call("unregister", transfer_id)
+
+    def push_open(self, bootstrap_id: str, num_blocks: int) -> None:
+        self._call("push_open", (bootstrap_id, num_blocks))
+
+    def push_layers(self, bootstrap_id: str, block_ids: list[int], num_layers: int) -> None:
+        self._call("push_layers", (bootstrap_id, list(block_ids), num_layers))
+
+    def push_finish(self, bootstrap_id: str, block_ids: list[int], tokens: list[int]) -> bool:
+        return self._call("push_finish", (bootstrap_id, list(block_ids), list(tokens)))
 
     def events(self) -> list[tuple[str, bool]]:
         return [tuple(e) for e in self._call("events")]

@@ -27,7 +27,9 @@ from splitserve.transfer.common import (
 )
 from splitserve.transfer.kv_cache import byte_view, check_cache
 from splitserve.transfer.layout import KVLayout
+from splitserve.transfer.push import PushResult
 from splitserve.transfer.ucx_endpoints import EndpointCache
+from splitserve.transfer.ucx_push import receive_push
 from splitserve.transfer.ucx_requests import Posted
 
 logger = logging.getLogger("splitserve.transfer.ucx")
@@ -53,6 +55,7 @@ class UcxKVReceiver(KVReceiver):
         self._bytes = byte_view(kv_cache).numpy()
         self._block_nbytes = layout.block_nbytes
         self._digest = layout_digest(layout)
+        self._num_layers = layout.num_layers
         self._cancel_grace_s = float(cancel_grace_s)
         self._endpoints = EndpointCache("KV sender", KVTransferError)
         self.stats = TransferStats()
@@ -64,6 +67,24 @@ class UcxKVReceiver(KVReceiver):
 
     async def close(self) -> None:
         await self._endpoints.close()  # in-flight fetches see their receives cancelled
+
+    _next_tag = staticmethod(_next_tag_base)
+
+    async def receive_push(self, endpoint: str, bootstrap_id: str, dst_block_ids: list[int], layer_groups: int,
+                           timeout_s: float) -> PushResult:
+        if self._endpoints.closed:
+            raise KVTransferError("receiver is closed")
+        if not self._endpoints.started:
+            raise RuntimeError("receiver not started")
+        parse_endpoint(endpoint)
+        try:
+            result = await receive_push(self, endpoint, bootstrap_id, dst_block_ids, layer_groups, self._num_layers, timeout_s)
+        except BaseException:
+            self.stats.transfers_failed += 1
+            raise
+        self.stats.bytes_received += result.nbytes
+        self.stats.transfers_ok += 1
+        return result
 
     # ---------------------------------------------------------------- fetch
     async def fetch(

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from splitserve.telemetry.transfer import start_send
-from splitserve.transfer import wire
+from splitserve.transfer import push_wire, wire
 from splitserve.transfer.base import KVSender, OnDone, TransferStats
 from splitserve.transfer.common import (
     Registration,
@@ -28,7 +28,9 @@ from splitserve.transfer.common import (
 )
 from splitserve.transfer.kv_cache import byte_view, check_cache
 from splitserve.transfer.layout import KVLayout
+from splitserve.transfer.push import PushTable
 from splitserve.transfer.ucx_listener import UcxServer
+from splitserve.transfer.ucx_push import UcxSubscriber
 from splitserve.transfer.ucx_requests import Posted
 
 logger = logging.getLogger("splitserve.transfer.ucx")
@@ -48,6 +50,7 @@ class UcxKVSender(KVSender):
         port: int = 0,
         send_timeout_s: float = 30.0,
         corrupt_sends: bool = False,
+        push_wait_s: float = 10.0,
     ) -> None:
         self._num_blocks = check_cache(kv_cache, layout)
         self._corrupt_sends = bool(corrupt_sends)  # fault injection for tests (splitserve.transfer.faults)
@@ -59,7 +62,8 @@ class UcxKVSender(KVSender):
         self._host = advertise_host(host)
         self._send_timeout_s = float(send_timeout_s)
         self._table = TransferTable(self._num_blocks)
-        self._server = UcxServer(self._dispatch, wire.decode_fetch, port=port, name="KV sender", drain_s=self._send_timeout_s)
+        self.push_table = PushTable(layout.num_layers, push_wait_s)
+        self._server = UcxServer(self._dispatch, push_wire.decode_request, port=port, name="KV sender", drain_s=self._send_timeout_s)
         self.stats = TransferStats()
 
     # ---------------------------------------------------------------- API
@@ -88,14 +92,17 @@ class UcxKVSender(KVSender):
             return
         # Transfers already being sent usually complete within milliseconds: let them report success;
         # then aborting the connections cancels what is still posted.
+        self.push_table.fail_all("KV sender is closing")
         await self._server.close(drain_s=1.0)
         for reg in self._table.drain():
             self.stats.transfers_failed += 1
             call_on_done(reg, False)
 
     # ---------------------------------------------------------------- requests
-    def _dispatch(self, ep, req: wire.FetchRequest) -> bool:
-        """Answer one FETCH request; False means the connection failed and is dropped."""
+    def _dispatch(self, ep, req: wire.FetchRequest | push_wire.SubscribeRequest) -> bool:
+        """Answer one FETCH request, or file one push subscription; False means the connection failed and is dropped."""
+        if isinstance(req, push_wire.SubscribeRequest):
+            return self._subscribe(ep, req)
         reg: Registration | None = None
         obs = start_send("ucx", req.transfer_id, sum(n for _s, n in req.runs), req.trace_context)
         if self._server.closing:
@@ -128,6 +135,20 @@ class UcxKVSender(KVSender):
         refusal = None if status is Status.OK else f"{status.name}: {detail}"
         self._server.spawn(ep, self._finish(ep, req.transfer_id, posted, error, reg, nbytes, obs, refusal, corrupted))
         return error is None
+
+    def _subscribe(self, ep, req: push_wire.SubscribeRequest) -> bool:
+        sub = UcxSubscriber(ep, self._server.forget, self._bytes, self._block_nbytes, self._layout.num_layers, req)
+        try:
+            if self._server.closing:
+                self.push_table.reject(sub, "sender is closing", Status.CLOSING)
+            elif req.block_nbytes != self._block_nbytes or req.layout_digest != self._digest:
+                self.push_table.reject(sub, self._layout.describe(), Status.LAYOUT_MISMATCH)
+            else:
+                self.push_table.subscribe(req.bootstrap_id, sub)
+        except Exception as exc:  # the endpoint failed while posting
+            logger.info("KV push subscription %s: connection failed: %r", req.bootstrap_id, exc)
+            return False
+        return True
 
     def _corrupt(self, runs) -> int:
         """Fault injection: flip the first byte of the first requested block; returns its offset."""

@@ -181,10 +181,12 @@ class GetKVLayoutRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetKVLayoutResponse(_message.Message):
-    __slots__ = ("layout",)
+    __slots__ = ("layout", "kv_endpoint")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    KV_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     layout: KVLayout
-    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ...) -> None: ...
+    kv_endpoint: str
+    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., kv_endpoint: _Optional[str] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()

@@ -8,13 +8,15 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "kv_handle", "first_token_id", "first_token_ids", "resume_output_token_ids")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "kv_handle", "first_token_id", "first_token_ids", "push_bootstrap_id", "push_endpoint", "resume_output_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PUSH_BOOTSTRAP_ID_FIELD_NUMBER: _ClassVar[int]
+    PUSH_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     RESUME_OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -22,8 +24,10 @@ class DecodeRequest(_message.Message):
     kv_handle: _common_pb2.KVHandle
     first_token_id: int
     first_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    push_bootstrap_id: str
+    push_endpoint: str
     resume_output_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv_handle: _Optional[_Union[_common_pb2.KVHandle, _Mapping]] = ..., first_token_id: _Optional[int] = ..., first_token_ids: _Optional[_Iterable[int]] = ..., resume_output_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv_handle: _Optional[_Union[_common_pb2.KVHandle, _Mapping]] = ..., first_token_id: _Optional[int] = ..., first_token_ids: _Optional[_Iterable[int]] = ..., push_bootstrap_id: _Optional[str] = ..., push_endpoint: _Optional[str] = ..., resume_output_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("token_ids", "finish_reason", "cached_tokens", "kv_recomputed", "index", "logprobs", "prompt_logprobs", "kv_not_pulled")

@@ -25,21 +25,21 @@ _sym_db = _symbol_database.Default()
 from pd.v1 import common_pb2 as pd_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13pd/v1/prefill.proto\x12\x05pd.v1\x1a\x12pd/v1/common.proto\"g\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\'\n\x08sampling\x18\x03 \x01(\x0b\x32\x15.pd.v1.SamplingParams\"\xc7\x02\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12*\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x13.pd.v1.FinishReason\x12\"\n\tkv_handle\x18\x04 \x01(\x0b\x32\x0f.pd.v1.KVHandle\x12\x15\n\rcached_tokens\x18\x05 \x01(\r\x12\x17\n\x0f\x66irst_token_ids\x18\x06 \x03(\r\x12+\n\x0e\x66irst_logprobs\x18\x07 \x03(\x0b\x32\x13.pd.v1.TokenLogprob\x12.\n\x0fprompt_logprobs\x18\x08 \x01(\x0b\x32\x15.pd.v1.PromptLogprobs\x12+\n\x0e\x66inish_reasons\x18\t \x03(\x0e\x32\x13.pd.v1.FinishReason\"\'\n\x10ReleaseKVRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\"%\n\x11ReleaseKVResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x32\x8d\x02\n\x0ePrefillService\x12\x38\n\x07Prefill\x12\x15.pd.v1.PrefillRequest\x1a\x16.pd.v1.PrefillResponse\x12>\n\tReleaseKV\x12\x17.pd.v1.ReleaseKVRequest\x1a\x18.pd.v1.ReleaseKVResponse\x12\x44\n\x0bGetKVLayout\x12\x19.pd.v1.GetKVLayoutRequest\x1a\x1a.pd.v1.GetKVLayoutResponse\x12;\n\x08GetStats\x12\x16.pd.v1.GetStatsRequest\x1a\x17.pd.v1.GetStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13pd/v1/prefill.proto\x12\x05pd.v1\x1a\x12pd/v1/common.proto\"\x82\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\'\n\x08sampling\x18\x03 \x01(\x0b\x32\x15.pd.v1.SamplingParams\x12\x19\n\x11push_bootstrap_id\x18\x14 \x01(\t\"\xda\x02\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12*\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x13.pd.v1.FinishReason\x12\"\n\tkv_handle\x18\x04 \x01(\x0b\x32\x0f.pd.v1.KVHandle\x12\x15\n\rcached_tokens\x18\x05 \x01(\r\x12\x17\n\x0f\x66irst_token_ids\x18\x06 \x03(\r\x12+\n\x0e\x66irst_logprobs\x18\x07 \x03(\x0b\x32\x13.pd.v1.TokenLogprob\x12.\n\x0fprompt_logprobs\x18\x08 \x01(\x0b\x32\x15.pd.v1.PromptLogprobs\x12+\n\x0e\x66inish_reasons\x18\t \x03(\x0e\x32\x13.pd.v1.FinishReason\x12\x11\n\tkv_pushed\x18\x14 \x01(\x08\"\'\n\x10ReleaseKVRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\"%\n\x11ReleaseKVResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x32\x8d\x02\n\x0ePrefillService\x12\x38\n\x07Prefill\x12\x15.pd.v1.PrefillRequest\x1a\x16.pd.v1.PrefillResponse\x12>\n\tReleaseKV\x12\x17.pd.v1.ReleaseKVRequest\x1a\x18.pd.v1.ReleaseKVResponse\x12\x44\n\x0bGetKVLayout\x12\x19.pd.v1.GetKVLayoutRequest\x1a\x1a.pd.v1.GetKVLayoutResponse\x12;\n\x08GetStats\x12\x16.pd.v1.GetStatsRequest\x1a\x17.pd.v1.GetStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pd.v1.prefill_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PREFILLREQUEST']._serialized_start=50
-  _globals['_PREFILLREQUEST']._serialized_end=153
-  _globals['_PREFILLRESPONSE']._serialized_start=156
-  _globals['_PREFILLRESPONSE']._serialized_end=483
-  _globals['_RELEASEKVREQUEST']._serialized_start=485
-  _globals['_RELEASEKVREQUEST']._serialized_end=524
-  _globals['_RELEASEKVRESPONSE']._serialized_start=526
-  _globals['_RELEASEKVRESPONSE']._serialized_end=563
-  _globals['_PREFILLSERVICE']._serialized_start=566
-  _globals['_PREFILLSERVICE']._serialized_end=835
+  _globals['_PREFILLREQUEST']._serialized_start=51
+  _globals['_PREFILLREQUEST']._serialized_end=181
+  _globals['_PREFILLRESPONSE']._serialized_start=184
+  _globals['_PREFILLRESPONSE']._serialized_end=530
+  _globals['_RELEASEKVREQUEST']._serialized_start=532
+  _globals['_RELEASEKVREQUEST']._serialized_end=571
+  _globals['_RELEASEKVRESPONSE']._serialized_start=573
+  _globals['_RELEASEKVRESPONSE']._serialized_end=610
+  _globals['_PREFILLSERVICE']._serialized_start=613
+  _globals['_PREFILLSERVICE']._serialized_end=882
 # @@protoc_insertion_point(module_scope)

@@ -6,7 +6,7 @@ import argparse
 from dataclasses import dataclass
 
 from splitserve.cli_help import new_parser
-from splitserve.env import env_bool, env_choice, env_float
+from splitserve.env import env_bool, env_choice, env_float, env_int
 from splitserve.services.worker_config import WorkerConfig, add_worker_args, worker_fields
 
 KV_TRANSFER_FAILURES = ("fallback", "error")
@@ -20,6 +20,8 @@ class DecodeConfig(WorkerConfig):
     kv_transfer_timeout_s: float = 10.0  # a KV pull that takes longer fails (then kv_transfer_failure applies)
     kv_transfer_failure: str = "fallback"  # "fallback": recompute the prompt here; "error": fail the request
     kv_checksum: bool = False  # verify an xxh3-64 checksum of every pulled transfer
+    kv_push_timeout_s: float = 60.0  # push: how long a subscription waits for the prefill (compute + KV) at most
+    kv_push_layer_groups: int = 0  # push: layer groups sent as soon as computed (0: one per layer; 1: whole KV at the end)
 
     def __post_init__(self) -> None:
         WorkerConfig.__post_init__(self)  # (slots dataclass: no zero-argument super())
@@ -27,6 +29,8 @@ class DecodeConfig(WorkerConfig):
             raise ValueError(f"kv_transfer_timeout_s must be > 0, got {self.kv_transfer_timeout_s}")
         if self.kv_transfer_failure not in KV_TRANSFER_FAILURES:
             raise ValueError(f"kv_transfer_failure must be 'fallback' or 'error', got {self.kv_transfer_failure!r}")
+        if self.kv_push_timeout_s <= 0 or self.kv_push_layer_groups < 0:
+            raise ValueError("kv_push_timeout_s must be > 0 and kv_push_layer_groups >= 0")
 
 
 def parse(argv: list[str] | None = None) -> DecodeConfig:
@@ -39,6 +43,11 @@ def parse(argv: list[str] | None = None) -> DecodeConfig:
                     help="when a KV pull fails: recompute the prompt here (fallback) or fail the request (error)")
     ap.add_argument("--kv-checksum", action=argparse.BooleanOptionalAction, default=env_bool("PD_KV_CHECKSUM"),
                     help="verify an xxh3-64 checksum of every pulled KV transfer (mismatch: as a failed pull)")
+    ap.add_argument("--kv-push-timeout-s", type=float, default=env_float("PD_KV_PUSH_TIMEOUT_S", 60.0),
+                    help="push mode: seconds a decode worker waits for the prefill worker's push (compute included)")
+    ap.add_argument("--kv-push-layer-groups", type=int, default=env_int("PD_KV_PUSH_LAYER_GROUPS", 0),
+                    help="push mode: layer groups sent as each is computed (0: one per layer; 1: the whole KV at the end)")
     a = ap.parse_args(argv)
     return DecodeConfig(**worker_fields(a), kv_transfer_timeout_s=a.kv_transfer_timeout_s,
-                        kv_transfer_failure=a.kv_transfer_failure, kv_checksum=a.kv_checksum)
+                        kv_transfer_failure=a.kv_transfer_failure, kv_checksum=a.kv_checksum,
+                        kv_push_timeout_s=a.kv_push_timeout_s, kv_push_layer_groups=a.kv_push_layer_groups)

@@ -28,7 +28,8 @@ async def serve(config: DecodeConfig) -> None:
     if store is not None:
         store = DecodeStore(engine, store, config.store.wait_s)
     servicer = DecodeServicer(
-        engine, receiver, config.transport, config.kv_transfer_timeout_s, config.kv_transfer_failure, store=store
+        engine, receiver, config.transport, config.kv_transfer_timeout_s, config.kv_transfer_failure, store=store,
+        push_timeout_s=config.kv_push_timeout_s, push_layer_groups=config.kv_push_layer_groups,
     )
     worker = await WorkerServer.start("decode", SERVICE, "Decode", decode_pb2_grpc.add_DecodeServiceServicer_to_server,
                                       servicer, engine, config)

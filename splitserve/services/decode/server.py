@@ -46,10 +46,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
 
     def __init__(
         self, engine: AsyncEngine, receiver: KVReceiver, transport: str, transfer_timeout_s: float,
-        transfer_failure: str = "fallback", store: DecodeStore | None = None,
+        transfer_failure: str = "fallback", store: DecodeStore | None = None, push_timeout_s: float = 60.0,
+        push_layer_groups: int = 0,
     ) -> None:
         self.engine = engine
-        self.worker = DecodeWorker(engine, receiver, transport, transfer_timeout_s, transfer_failure, store)
+        self.worker = DecodeWorker(engine, receiver, transport, transfer_timeout_s, transfer_failure, store,
+                                   push_timeout_s, push_layer_groups)
         self.grpc_bytes = GrpcByteCounter()
 
     async def Decode(self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[decode_pb2.DecodeResponse]:
@@ -60,6 +62,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 request.first_token_id if request.HasField("first_token_id") else None,
                 handle_from_proto(request.kv_handle) if request.HasField("kv_handle") else None,
                 context.time_remaining(), tuple(request.first_token_ids), tuple(request.resume_output_token_ids),
+                request.push_bootstrap_id, request.push_endpoint,
             )
             recomputed_sent = False
             async with contextlib.aclosing(self.worker.decode(job)) as run:

@@ -20,6 +20,14 @@ Lifecycle of one request (:meth:`DecodeWorker.decode`):
    handle the request is prefilled here (``generate``; its stream starts with the first tokens, and the prompt's
    logprobs when asked). With ``resume_output_token_ids`` (decode migration) the prompt and those output tokens are
    prefilled here and the stream carries the tokens after them (``splitserve.engine.resume``).
+
+Push (a job with ``push_id``, :mod:`splitserve.transfer.push`): steps 2-3 become: reserve the prompt's blocks,
+subscribe under the bootstrap id on the prefill worker's KV sender (``push_endpoint``, from the router's
+registry) and wait (at most ``push_timeout_s`` and the call's deadline) while the prefill worker writes the KV
+layer group by layer group; its completion carries the first token of every choice. If the request finished at
+prefill the blocks are freed and the stream ends empty. A failure (the prefill failed, the connection broke,
+timeout) frees the blocks and raises KVTransferError: the router, which then has no first tokens from that
+prefill, recomputes the request elsewhere (its local-prefill fallback).
 """
 
 from __future__ import annotations
@@ -57,6 +65,8 @@ class DecodeJob:
     time_remaining: float | None = None  # seconds left of the caller's deadline (None: none)
     first_token_ids: tuple[int, ...] = ()  # every choice's first token (``params.n`` of them); (): (first_token_id,)
     resume_output_token_ids: tuple[int, ...] = ()  # migration: the choice's output so far (no handle; prefilled here)
+    push_id: str = ""  # push: the bootstrap id to subscribe under ("": no push)
+    push_endpoint: str = ""  # push: the prefill worker's KV sender (host:port)
 
     @property
     def first_tokens(self) -> list[int]:
@@ -92,7 +102,8 @@ class DecodeWorker:
 
     def __init__(
         self, engine: AsyncEngine, receiver: KVReceiver, transport: str, transfer_timeout_s: float,
-        transfer_failure: str = "fallback", store: DecodeStore | None = None,
+        transfer_failure: str = "fallback", store: DecodeStore | None = None, push_timeout_s: float = 60.0,
+        push_layer_groups: int = 0,
     ) -> None:
         if transfer_failure not in ("fallback", "error"):
             raise ValueError(f"transfer_failure must be 'fallback' or 'error', got {transfer_failure!r}")
@@ -102,6 +113,9 @@ class DecodeWorker:
         self.transfer_timeout_s = transfer_timeout_s
         self.transfer_failure = transfer_failure
         self.store = store
+        self.push_timeout_s = push_timeout_s
+        self.push_layer_groups = push_layer_groups  # messages per block of a push (0: one per layer)
+        self.num_pushes = 0
         self.num_requests = 0
         self.streams_open = 0
         self.num_local_prefills = 0
@@ -120,6 +134,11 @@ class DecodeWorker:
         self.streams_open += 1
         try:
             self._check(job)
+            if job.push_id:
+                async with contextlib.aclosing(self._pushed(job)) as outputs:
+                    async for out in outputs:
+                        yield out
+                return
             if job.handle is None:
                 self.num_local_prefills += 1
                 stream = self.engine.generate(job.request_id, job.prompt_token_ids, job.params, job.resume_output_token_ids)
@@ -149,6 +168,28 @@ class DecodeWorker:
                             yield out
         finally:
             self.streams_open -= 1
+
+    async def _pushed(self, job: DecodeJob) -> AsyncIterator[RequestOutput]:
+        """A push job: reserve, receive the push, decode from its first tokens (see the module docstring)."""
+        if not job.push_endpoint:
+            raise InvalidRequest("push_bootstrap_id needs push_endpoint")
+        if job.params.max_tokens <= 1:
+            raise InvalidRequest("max_tokens <= 1: the request finishes at prefill; nothing to decode")
+        prompt = job.prompt_token_ids
+        self.engine.check_decode(prompt, job.params, [0] * job.params.n)  # refuse before taking blocks
+        t = self.push_timeout_s if job.time_remaining is None else max(0.001, min(self.push_timeout_s, job.time_remaining))
+        async with await self.engine.allocate_blocks(-(-len(prompt) // self.engine.layout.block_size)) as blocks:
+            with observe_receive(self.transport, job.push_endpoint, job.push_id, len(blocks)) as obs:
+                result = await self.receiver.receive_push(job.push_endpoint, job.push_id, blocks.block_ids,
+                                                          self.push_layer_groups, t)
+                obs.nbytes = result.nbytes
+            self.num_pushes += 1
+            if result.finished:
+                return
+            stream = self.engine.decode_prefilled(job.request_id, prompt, job.params, list(result.first_token_ids), blocks)
+            async with contextlib.aclosing(observe_decode(stream, job.request_id, local_prefill=False)) as observed:
+                async for out in observed:
+                    yield out
 
     def _check(self, job: DecodeJob) -> None:
         """Refuse requests that lack what only the router supplies (a direct client's malformed call)."""
@@ -218,7 +259,7 @@ class DecodeWorker:
             kv_transfer_fallbacks=self.num_kv_fallbacks, kv_checksum_failures=s.checksum_failures,
             kv_prefix_reused_blocks=self.num_prefix_reused_blocks,
             ucx_bytes_received=s.bytes_received if self.transport == "ucx" else 0, kv_bytes_received=s.bytes_received,
-            kv_transfers_ok=s.transfers_ok, kv_transfers_failed=s.transfers_failed,
+            kv_transfers_ok=s.transfers_ok, kv_transfers_failed=s.transfers_failed, kv_pushes_received=self.num_pushes,
         )
         if self.store is not None:
             counters.update(self.store.stats())

@@ -50,19 +50,20 @@ class PrefillStore:
         self.cached_requests = 0
 
     async def prefill(self, request_id: str, prompt: list[int], params: SamplingParams,
-                      time_remaining: float | None = None) -> PrefillOutput:
+                      time_remaining: float | None = None, on_layers=None) -> PrefillOutput:
         """Steps 1-4: prefill reusing the longest cached prefix. Never fails because of the store: reads
         that fail or take longer than ``READ_SHARE`` of ``time_remaining`` (seconds left of the call's
         deadline) are recomputed. A request with ``prompt_logprobs`` reads nothing: every prompt position's logits
-        are computed. Raises what ``AsyncEngine.prefill`` raises."""
+        are computed. ``on_layers``: as ``AsyncEngine.prefill``'s (KV push). Raises what ``AsyncEngine.prefill`` raises."""
         cached = None if params.prompt_logprobs is not None else await self._load_prefix(prompt, time_remaining)
         if cached is None:
-            return await self.engine.prefill(request_id, prompt, params)
+            return await self.engine.prefill(request_id, prompt, params, on_layers=on_layers)
         async with cached:
             num_cached = min(len(cached) * self.block_size, len(prompt) - 1)
             self.cached_tokens += num_cached
             self.cached_requests += 1
-            return await self.engine.prefill(request_id, prompt, params, cached=cached, num_cached_tokens=num_cached)
+            return await self.engine.prefill(request_id, prompt, params, cached=cached, num_cached_tokens=num_cached,
+                                           on_layers=on_layers)
 
     async def _load_prefix(self, prompt: list[int], time_remaining: float | None) -> OwnedBlocks | None:
         """Engine blocks holding the prompt's longest readable cached prefix; None when nothing was read

@@ -49,14 +49,15 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         self.grpc_bytes.received(request)
         try:
             params = sampling_from_proto(request.sampling)
-            out = await self.worker.prefill(request.request_id, list(request.prompt_token_ids), params, context.time_remaining())
+            out = await self.worker.prefill(request.request_id, list(request.prompt_token_ids), params, context.time_remaining(),
+                                            request.push_bootstrap_id)
         except PdError as exc:
             await abort_with(context, exc)
         response = prefill_pb2.PrefillResponse(
             request_id=request.request_id, first_token_id=out.first_token_id,
             finish_reason=FINISH_TO_PROTO[out.finish_reason], cached_tokens=out.cached_tokens,
             first_token_ids=out.first_token_ids, first_logprobs=logprobs_to_proto(out.first_logprobs),
-            finish_reasons=[FINISH_TO_PROTO[f] for f in out.finish_reasons],
+            finish_reasons=[FINISH_TO_PROTO[f] for f in out.finish_reasons], kv_pushed=out.pushed,
         )
         if out.prompt_logprobs is not None:
             response.prompt_logprobs.CopyFrom(prompt_logprobs_to_proto(out.prompt_logprobs))
@@ -68,7 +69,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         return prefill_pb2.ReleaseKVResponse(released=self.worker.release(request.transfer_id))
 
     async def GetKVLayout(self, request, context) -> common_pb2.GetKVLayoutResponse:
-        return common_pb2.GetKVLayoutResponse(layout=layout_to_proto(self.engine.layout))
+        return common_pb2.GetKVLayoutResponse(layout=layout_to_proto(self.engine.layout), kv_endpoint=self.endpoint)
 
     async def GetStats(self, request, context) -> common_pb2.GetStatsResponse:
         counters = await self.engine.stats()

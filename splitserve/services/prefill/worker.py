@@ -12,10 +12,18 @@ Lifecycle of one request (:meth:`PrefillWorker.prefill`):
    until the decode worker pulls them, releases them, or the lease (``lease_s``) ends.
 4. Answer with the first tokens and a :class:`KVHandle` naming the blocks and the data-plane endpoint (one
    transfer for all n choices: they share the prompt's KV).
+
+Push (a request with a bootstrap id, :mod:`splitserve.transfer.push`): step 2 also writes each layer group of
+the prompt's KV into the decode worker's subscribed blocks as soon as it is computed, then the completion with
+the first tokens; step 3 then holds nothing (``pushed``; the store still gets its copy). A failure of the
+prefill (invalid, cancelled, deadline) sends a failure message instead; a push that cannot complete (no
+subscription within the sender's wait, the decode side's connection failed) falls back to the lease of step 3.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 import uuid
 from dataclasses import dataclass
@@ -31,6 +39,8 @@ from splitserve.services.prefill.kv_store import PrefillStore
 from splitserve.telemetry.workers import observe_prefill
 from splitserve.transfer.base import KVSender
 from splitserve.transfer.handle import KVHandle
+
+logger = logging.getLogger(__name__)
 
 MAX_REQUEST_ID_LEN = 256
 #: a lease outlives its caller's deadline by at most this (s): time for a response sent just in time to be used
@@ -48,6 +58,7 @@ class PrefillResult:
     first_logprobs: tuple[TokenLogprob, ...] | None = None  # per choice, when ``params.logprobs`` is set
     prompt_logprobs: PromptLogprobs | None = None  # when ``params.prompt_logprobs`` is set (first entry None)
     finish_reasons: tuple[str | None, ...] = ()  # per choice: set when that choice ended with its first token
+    pushed: bool = False  # push: the KV is in the decode worker's blocks; nothing is held here (``handle`` None)
 
     @property
     def first_token_id(self) -> int:
@@ -72,6 +83,9 @@ class PrefillWorker:
         self.leases = KVLeases(sender, lease_s)
         self.num_requests = 0
         self.in_flight = 0
+        self.num_pushed = 0
+        self.num_push_fallbacks = 0
+        self._failing: set[asyncio.Task] = set()
 
     @property
     def endpoint(self) -> str:
@@ -79,36 +93,76 @@ class PrefillWorker:
         return self.advertise or self.sender.endpoint
 
     async def prefill(self, request_id: str, prompt: list[int], params: SamplingParams,
-                      time_remaining: float | None = None) -> PrefillResult:
-        """Steps 1-4 for ``prompt`` (token ids); ``time_remaining``: seconds left of the caller's deadline.
-        Cancel-safe (the engine aborts the prefill, blocks are freed). Raises InvalidRequest,
-        CapacityExhausted (the engine's KV queue), DeadlineExceeded (the prefill finished after the caller's
-        deadline: its KV is freed at once, never leased)."""
+                      time_remaining: float | None = None, push_id: str = "") -> PrefillResult:
+        """Steps 1-4 for ``prompt`` (token ids); ``time_remaining``: seconds left of the caller's deadline;
+        ``push_id``: the push bootstrap id ("" : pull). Cancel-safe (the engine aborts the prefill, blocks are
+        freed, a push's decode side is told). Raises InvalidRequest, CapacityExhausted (the engine's KV queue),
+        DeadlineExceeded (the prefill finished after the caller's deadline: its KV is freed at once, never leased)."""
         deadline = None if time_remaining is None else time.monotonic() + time_remaining
         self.in_flight += 1
+        push = None
         try:
             if not request_id or len(request_id) > MAX_REQUEST_ID_LEN:
                 raise InvalidRequest(f"request_id is required (1..{MAX_REQUEST_ID_LEN} characters)")
             if not prompt:
                 raise InvalidRequest("prompt_token_ids is empty")
+            if push_id:
+                try:
+                    push = self.sender.open_push(push_id, -(-len(prompt) // self.engine.layout.block_size))
+                except ValueError as exc:
+                    raise InvalidRequest(str(exc)) from None
+            hook = None if push is None else push.layers_done
             with observe_prefill(request_id, len(prompt)) as obs:
                 if self.store is not None:
-                    out = await self.store.prefill(request_id, prompt, params, time_remaining)
+                    out = await self.store.prefill(request_id, prompt, params, time_remaining, on_layers=hook)
                 else:
-                    out = await self.engine.prefill(request_id, prompt, params)
+                    out = await self.engine.prefill(request_id, prompt, params, on_layers=hook)
                 obs.done(out.cached_tokens, out.finish_reason)
-            handle = None
+            handle, pushed = None, False
             if out.blocks is not None:
                 async with out.blocks as blocks:  # freed on exit unless a lease took them
                     if deadline is not None and time.monotonic() >= deadline:  # nobody will take the handle
                         raise DeadlineExceeded(f"prefill of {request_id} finished after its caller's deadline; KV freed")
-                    handle = await self._hand_over(request_id, prompt, out.cached_tokens, blocks, deadline)
+                    if push is not None:
+                        pushed = await self._finish_push(push, out.first_token_ids, blocks.block_ids, deadline)
+                        push = None
+                    if pushed:
+                        if self.store is not None:  # the store's own share of the blocks; ours are freed on exit
+                            await self.store.publish(prompt, out.cached_tokens, blocks, uuid.uuid4().hex)
+                    else:
+                        handle = await self._hand_over(request_id, prompt, out.cached_tokens, blocks, deadline)
+            elif push is not None:  # finished at prefill: the decode side frees its blocks and ends
+                await self._finish_push(push, out.first_token_ids, None, deadline)
+                push = None
+        except BaseException as exc:
+            if push is not None:  # the decode side must not wait for KV that will not come
+                self._fail_push(push, f"prefill of {request_id} failed: {type(exc).__name__}: {exc}")
+            raise
         finally:
             self.in_flight -= 1
         self.num_requests += 1
         return PrefillResult(tuple(out.first_token_ids), out.finish_reason, out.cached_tokens, handle,
                              None if out.first_logprobs is None else tuple(out.first_logprobs), out.prompt_logprobs,
-                             tuple(out.finish_reasons))
+                             tuple(out.finish_reasons), pushed)
+
+    async def _finish_push(self, push, first_token_ids: list[int], block_ids: list[int] | None,
+                           deadline: float | None) -> bool:
+        """Send the rest of the KV and the completion; True when the decode side has it all (else the lease)."""
+        timeout = 30.0 if deadline is None else max(0.001, deadline - time.monotonic() + LEASE_DEADLINE_GRACE_S)
+        ok = await push.finish(first_token_ids, block_ids, block_ids is None, timeout)
+        if block_ids is not None:
+            if ok:
+                self.num_pushed += 1
+            else:
+                self.num_push_fallbacks += 1
+                logger.warning("KV push %s did not complete; holding the KV for a pull", push.bootstrap_id)
+        return ok
+
+    def _fail_push(self, push, detail: str) -> None:
+        """Send a push's failure in the background (it survives the cancel of the request that failed)."""
+        task = asyncio.get_running_loop().create_task(push.fail(detail))
+        self._failing.add(task)
+        task.add_done_callback(self._failing.discard)
 
     async def _hand_over(self, request_id: str, prompt: list[int], cached_tokens: int, blocks: OwnedBlocks,
                          deadline: float | None) -> KVHandle:
@@ -140,6 +194,7 @@ class PrefillWorker:
             requests=self.num_requests, prefills_in_flight=self.in_flight, kv_transfers_held=len(self.leases),
             kv_leases_expired=self.leases.expired, ucx_bytes_sent=s.bytes_sent if self.transport == "ucx" else 0,
             kv_bytes_sent=s.bytes_sent, kv_transfers_ok=s.transfers_ok, kv_transfers_failed=s.transfers_failed,
+            kv_pushes=self.num_pushed, kv_push_fallbacks=self.num_push_fallbacks, kv_pushes_pending=len(self.sender.push_table),
         )
         if self.store is not None:
             counters.update(self.store.stats())

@@ -39,6 +39,7 @@ from splitserve.services.router.kv_release import KVRelease
 from splitserve.services.router.layouts import check_layouts
 from splitserve.services.router.policies import Policy, RoundRobin
 from splitserve.services.router.prefill_leg import prefill_leg
+from splitserve.services.router.push_leg import push_leg
 from splitserve.services.router.registry import DECODE, PREFILL, WorkerRegistry, WorkerState
 from splitserve.telemetry.metrics import ROUTER_WORKER_PICKS
 
@@ -61,6 +62,8 @@ class RoutedBackend:
             mid-stream (:mod:`.migration`; 0: off, the request ends with the failure's typed error).
         skip_prefill_tokens: prefill on the decode worker, skipping the prefill worker, when the policy believes the
             decode worker's prefix cache holds all but at most this many prompt tokens (0: never).
+        kv_transfer_mode: "push": prefill and decode at once, the prefill worker writes the KV into decode's blocks
+            layer by layer (:mod:`.push_leg`); anything else: the decode worker pulls it after the prefill.
 
     Attributes:
         counters: request, retry, fallback, stall, migration and KV release counts (:meth:`stats`).
@@ -71,7 +74,7 @@ class RoutedBackend:
                  *, prefill_timeout_s: float = 60.0, prefill_attempts: int = 2, decode_attempts: int = 2,
                  wait_for_workers_s: float = 5.0, local_prefill_fallback: bool = True,
                  decode_stall_timeout_s: float | None = 60.0, decode_migrations: int = 1,
-                 skip_prefill_tokens: int = 0) -> None:
+                 skip_prefill_tokens: int = 0, kv_transfer_mode: str = "direct") -> None:
         self.registry = registry
         self.policy = policy or RoundRobin()
         self.disagg = disagg or DisaggregationPolicy("always")
@@ -82,6 +85,7 @@ class RoutedBackend:
         self.decode_stall_timeout_s = decode_stall_timeout_s
         self.decode_migrations = max(decode_migrations, 0)
         self.skip_prefill_tokens = skip_prefill_tokens
+        self.kv_transfer_mode = kv_transfer_mode
         self.counters: Counter[str] = Counter()
         self.streams_open = 0
         self.kv_release = KVRelease(self.counters)
@@ -132,12 +136,15 @@ class RoutedBackend:
             prompt = prompt_token_ids
             sampling = sampling_to_proto(params)
             decode = self.pick(DECODE, prompt, set())
-            remote = await prefill_leg(self, request_id, prompt, sampling, decode, deadline)
+            pushed = None
+            if self.kv_transfer_mode == "push" and params.max_tokens > 1:
+                pushed = await push_leg(self, request_id, prompt, sampling, decode, deadline)
+            remote = pushed.remote if pushed else await prefill_leg(self, request_id, prompt, sampling, decode, deadline)
             if remote is not None and remote.finished:  # prefill alone finished the request: no decode leg, no KV left
                 for ev in remote.first_events():
                     yield ev
                 return
-            leg = DecodeLeg(self, request_id, prompt, sampling, decode, remote, deadline)
+            leg = DecodeLeg(self, request_id, prompt, sampling, decode, remote, deadline, call=pushed.call if pushed else None)
             async with contextlib.aclosing(leg.events()) as events:
                 async for ev in events:
                     yield ev

@@ -7,7 +7,8 @@ import sys
 from dataclasses import dataclass
 
 from splitserve.cli_help import SECRET_DEFAULT, new_parser
-from splitserve.env import EnvError, env_bool, env_float, env_int, env_str
+from splitserve.env import EnvError, env_bool, env_choice, env_float, env_int, env_str
+from splitserve.kvstore.config import TRANSFER_MODES
 from splitserve.config_checks import check_port
 from splitserve.paths import default_model_path
 from splitserve.rpc.keepalive import KeepaliveConfig, add_keepalive_args, keepalive_config
@@ -46,6 +47,7 @@ class RouterConfig:
     shutdown_grace_s: float = DEFAULT_GRACE_S  # SIGTERM: in-flight requests may finish within this (0: stop at once)
     http: HttpLimits = HttpLimits()  # read deadlines and connection cap of the HTTP listener (PD_HTTP_*)
     planner: PlannerConfig | None = None  # --planner: flips --workers between prefill and decode; None = off
+    kv_transfer_mode: str = "direct"  # "push": prefill and decode dispatched at once (push_leg); direct/store: pull
 
     def __post_init__(self) -> None:
         check_grace(self.shutdown_grace_s)
@@ -71,6 +73,8 @@ class RouterConfig:
             raise ValueError("--poll-interval-s must be > 0; --miss-limit and the attempt counts >= 1")
         if self.decode_migrations < 0:
             raise ValueError(f"--decode-migrations must be >= 0 (0: off), got {self.decode_migrations}")
+        if self.kv_transfer_mode not in TRANSFER_MODES:
+            raise ValueError(f"--kv-transfer-mode must be one of {', '.join(TRANSFER_MODES)}, got {self.kv_transfer_mode!r}")
         if self.request_timeout_s is not None and self.request_timeout_s <= 0:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
 
@@ -140,6 +144,9 @@ def parse(argv: list[str] | None = None) -> RouterConfig:
                     help=f"require Authorization: Bearer <key> on the HTTP API and RouterService; prefer PD_API_KEY {SECRET_DEFAULT}")
     ap.add_argument("--decode-stall-timeout-s", type=_optional_float, default=_optional_float_env("PD_DECODE_STALL_TIMEOUT_S", "60"),
                     help="a decode stream with no message for this long fails (failover before its first token); 0: off")
+    ap.add_argument("--kv-transfer-mode", default=env_choice("PD_KV_TRANSFER_MODE", TRANSFER_MODES, "direct"), choices=TRANSFER_MODES,
+                    help="push: dispatch prefill and decode at once, the prefill worker writes the KV into the decode "
+                         "worker's blocks layer by layer; direct/store: the decode worker reads it after the prefill")
     add_tls_args(ap)
     add_keepalive_args(ap)
     add_shutdown_args(ap)
@@ -161,4 +168,5 @@ def parse(argv: list[str] | None = None) -> RouterConfig:
         api_key=a.api_key, tls=tls_config(a), decode_stall_timeout_s=a.decode_stall_timeout_s,
         keepalive=keepalive_config(a), shutdown_grace_s=a.shutdown_grace_s, http=HttpLimits.from_env(),
         planner=planner_config(a),
+        kv_transfer_mode=a.kv_transfer_mode,
     )

@@ -64,6 +64,8 @@ class DecodeLeg:
             tokens that choice already generated)``; ``sampling`` is then that choice's alone.
         migrations: how many times this choice's stream already moved (a continuation's count).
         tried: workers that already failed this request (never picked again).
+        call: push mode: the Decode stream already running for a pushed KV (:mod:`.push_leg`); it is not retried on
+            another worker (the KV is only on this one).
 
     Attributes:
         started: a decode stream sent its first message (from then on a failure is not retried; it may migrate).
@@ -72,7 +74,8 @@ class DecodeLeg:
 
     def __init__(self, router: RoutedBackend, request_id: str, prompt: list[int], sampling: common_pb2.SamplingParams,
                  decode: WorkerState, remote: RemotePrefill | None, deadline: float | None, *,
-                 resume: tuple[int, list[int]] | None = None, migrations: int = 0, tried: set[str] = frozenset()) -> None:
+                 resume: tuple[int, list[int]] | None = None, migrations: int = 0, tried: set[str] = frozenset(),
+                 call: grpc.aio.UnaryStreamCall | None = None) -> None:
         self.router = router
         self.request_id = request_id
         self.prompt = prompt
@@ -88,10 +91,12 @@ class DecodeLeg:
         self.choice = None if resume is None else resume[0]  # a continuation's stream (index 0) is this choice
         self.generated: dict[int, list[int]] = {} if resume is None else {resume[0]: list(resume[1])}
         self.open_choices = set(range(sampling.n or 1)) if resume is None else {resume[0]}  # without a finish_reason yet
+        self.pushed_call = call
+        self.retry = call is None  # a pushed KV is only on the first decode worker
         if resume is not None:
             self.request = decode_pb2.DecodeRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
                                                     resume_output_token_ids=resume[1])
-        elif remote is None:
+        elif remote is None or call is not None:
             self.request = decode_pb2.DecodeRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling)
         else:
             first = remote.first_token_ids
@@ -121,7 +126,7 @@ class DecodeLeg:
                 w.inflight_requests += 1
                 self.attempts += 1
                 t0 = time.monotonic()
-                call = w.stub.Decode(self.request, timeout=hop_timeout(self.deadline))
+                call, self.pushed_call = self.pushed_call or w.stub.Decode(self.request, timeout=hop_timeout(self.deadline)), None
                 try:
                     async for msg in stall_guard(call, self.router.decode_stall_timeout_s, f"decode worker {w.address}"):
                         if not self.started:
@@ -144,7 +149,7 @@ class DecodeLeg:
                     if not call.done():
                         call.cancel()
         finally:
-            if remote is not None and not self.started:
+            if remote is not None and not self.started and remote.response.HasField("kv_handle"):
                 self.router.kv_release.soon(remote.worker, remote.response.kv_handle.transfer_id)  # survives our cancel
         if self.open_choices:
             async with contextlib.aclosing(continue_choices(self, err, reason)) as events:
@@ -202,6 +207,8 @@ class DecodeLeg:
             router.counters["decode_stalls"] += 1
         if code in DOWN:  # unreachable, hung, stalled or draining: out of rotation, even mid-stream
             router.registry.mark_failed(w, reason)
+        if not self.started and not self.retry:  # push: the KV is only on this worker
+            _raise(err, exc)
         self.tried.add(w.address)
         if self.started and not self.open_choices:  # the failure came after every choice's last token
             return None

@@ -58,9 +58,9 @@ class RemotePrefill:
     @property
     def finished(self) -> bool:
         """Prefill alone finished the request (every choice's first token was EOS, a stop token or the last of
-        ``max_tokens``): no KV handle, no decode leg."""
+        ``max_tokens``): no KV handle (nor a pushed KV), no decode leg."""
         r = self.response
-        return FINISH_FROM_PROTO[r.finish_reason] is not None or not r.HasField("kv_handle")
+        return FINISH_FROM_PROTO[r.finish_reason] is not None or not (r.HasField("kv_handle") or r.kv_pushed)
 
     def finish_reasons(self) -> list[str | None]:
         """Per choice: the finish reason of a choice that ended with its first token, else None. When the request
@@ -131,16 +131,17 @@ async def prefill_leg(router: RoutedBackend, request_id: str, prompt: list[int],
 
 async def _try_prefill(router: RoutedBackend, w: WorkerState, request_id: str, prompt: list[int],
                        sampling: common_pb2.SamplingParams, uncached: int,
-                       deadline: float | None) -> prefill_pb2.PrefillResponse | None:
+                       deadline: float | None, push_bootstrap_id: str = "") -> prefill_pb2.PrefillResponse | None:
     """One Prefill call on ``w``: its response, or None after a retryable failure (a worker that is unreachable
     leaves the rotation). Raises the typed error of any other failure. ``uncached`` (tokens) counts towards the
-    worker's queued prefill tokens while the call runs."""
+    worker's queued prefill tokens while the call runs. ``push_bootstrap_id``: push the KV (:mod:`.push_leg`)."""
     w.inflight_requests += 1
     w.inflight_prefill_tokens += uncached
     t0 = time.monotonic()
     try:
         resp = await w.stub.Prefill(
-            prefill_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling),
+            prefill_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
+                                       push_bootstrap_id=push_bootstrap_id),
             timeout=hop_timeout(deadline, router.prefill_timeout_s),
         )
     except grpc.aio.AioRpcError as exc:

@@ -58,6 +58,7 @@ class WorkerState:
     last_ok: float | None = None  # monotonic seconds of the last successful poll
     last_error: str = ""
     layout: KVLayout | None = None
+    kv_endpoint: str = ""  # a prefill worker's KV sender (host:port, as it advertises it): push subscriptions go there
     stats: dict[str, float] = field(default_factory=dict)
     inflight_requests: int = 0  # sent by this router and not finished
     inflight_prefill_tokens: int = 0  # uncached prompt tokens sent and not yet prefilled
@@ -182,7 +183,8 @@ class WorkerRegistry:
                 raise _NotServing(f"health status {health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)}")
             stats = await w.stub.GetStats(common_pb2.GetStatsRequest(), timeout=self.poll_timeout_s)
             if w.layout is None:
-                w.layout = layout_from_proto((await w.stub.GetKVLayout(common_pb2.GetKVLayoutRequest(), timeout=self.poll_timeout_s)).layout)
+                info = await w.stub.GetKVLayout(common_pb2.GetKVLayoutRequest(), timeout=self.poll_timeout_s)
+                w.layout, w.kv_endpoint = layout_from_proto(info.layout), info.kv_endpoint
         except (grpc.aio.AioRpcError, RuntimeError) as exc:
             w.misses += 1
             w.last_error = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else str(exc)

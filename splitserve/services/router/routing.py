@@ -21,7 +21,8 @@ def build_backend(config: RouterConfig) -> RoutedBackend:
                          prefill_timeout_s=config.prefill_timeout_s, prefill_attempts=config.prefill_attempts,
                          decode_attempts=config.decode_attempts, local_prefill_fallback=config.local_prefill_fallback,
                          decode_stall_timeout_s=config.decode_stall_timeout_s, decode_migrations=config.decode_migrations,
-                         skip_prefill_tokens=config.skip_prefill_tokens)
+                         skip_prefill_tokens=config.skip_prefill_tokens,
+                         kv_transfer_mode=config.kv_transfer_mode)
 
 
 def workers_route(backend: RoutedBackend, path: str = "/v1/workers", planner=None) -> Route:
