@@ -72,3 +72,19 @@ async def test_no_skip_without_knowledge_or_when_off():
     router.policy.record(d0, list(range(4 * B)))
     assert await prefill_leg(router, "b", list(range(4 * B)), sampling, d0, None) is not None
     assert router.counters["prefill_skipped"] == 0
+
+
+async def test_push_leaves_a_prompt_decode_partly_holds_to_the_pull_path():
+    """A push fills every prompt block; when decode holds a prefix, the pull path's delta transfer (or skip) wins."""
+    from splitserve.services.router.push_leg import push_leg
+
+    router, (p0, d0, d1) = _router(PrefixAware(block_size=B, rng=random.Random(0)), skip=0)
+    router.kv_transfer_mode = "push"
+    sampling = common_pb2.SamplingParams(max_tokens=4)
+    history = list(range(100, 100 + 4 * B))
+    router.policy.record(d0, history)
+    assert await push_leg(router, "a", history + list(range(7, 7 + 40)), sampling, d0, None) is None
+    assert router.counters["push_skipped_prefix_held"] == 1 and p0.stub.calls["Prefill"] == 0
+    p0.kv_endpoint = ""  # d1 holds nothing: the push goes on (here: no sender endpoint known, so it stops after that check)
+    assert await push_leg(router, "b", history, sampling, d1, None) is None
+    assert router.counters["push_skipped_prefix_held"] == 1

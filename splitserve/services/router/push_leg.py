@@ -21,7 +21,9 @@ connection).
      retryable one (worker unreachable, overloaded, deadline of the hop) falls back to the ordinary prefill leg
      (another prefill worker, or a local prefill on the decode worker).
 
-The result is a :class:`PushStart`, or None when the request should take the ordinary (pull) path.
+The result is a :class:`PushStart`, or None when the request should take the ordinary (pull) path: also when the
+decode worker is believed to hold a prefix of the prompt (the prefix_aware policy's record), since a push fills every
+prompt block while the pull path moves only the uncached suffix or skips the prefill worker.
 """
 
 from __future__ import annotations
@@ -60,6 +62,9 @@ class PushStart:
 async def push_leg(router: RoutedBackend, request_id: str, prompt: list[int], sampling: common_pb2.SamplingParams,
                    decode: WorkerState, deadline: float | None) -> PushStart | None:
     """Steps 1-3 (see the module docstring). Raises the typed error of a non-retryable prefill failure."""
+    if router.policy.matched_tokens(decode, prompt):  # decode's prefix cache holds part of the prompt: the pull
+        router.counters["push_skipped_prefix_held"] += 1  # path moves only the rest (delta) or skips the prefill
+        return None
     prefill = router.pick(PREFILL, prompt, set())
     if prefill is None or not prefill.kv_endpoint:
         return None
