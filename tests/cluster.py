@@ -53,7 +53,8 @@ def restore(cluster: Cluster, argv: dict[str, list[str]], timeout_s: float = 120
     """Bring a cluster shared by the tests of a module back to how it started, whatever the test before did:
     every process continued (SIGCONT: one a test SIGSTOPped), every process that exited (SIGKILL, SIGTERM) or
     runs with an argv other than ``argv[name]`` (a test restarted it with other flags) started again with its
-    original argv (same ports); then wait until every process is healthy, the router has every worker up and the
+    original argv (same ports); then wait until every process is healthy, the router has every worker up (a
+    restarted one answered its poll since it came back: not the router's last view of the old process) and the
     KV store master (if any) has a segment of every storage node. Cheap when nothing changed (health checks).
 
     Args:
@@ -74,6 +75,16 @@ def restore(cluster: Cluster, argv: dict[str, list[str]], timeout_s: float = 120
         cluster.start_child(child)
         restarted.append(child.name)
     cluster.wait_healthy(timeout_s=timeout_s)
+    healthy_at = time.monotonic()
+    workers = [c.health.removeprefix("grpc:") for c in cluster.children
+               if c.name in restarted and c.name.startswith(("prefill", "decode"))]
+    router = next((c for c in cluster.children if c.name == "router"), None)
+    if workers and router is not None and router.name not in restarted:
+        # the router may still hold its view of the old process: wait for a successful poll of the new one
+        deadline = time.monotonic() + timeout_s
+        while not _polled_since(router, cluster, workers, time.monotonic() - healthy_at):
+            assert time.monotonic() < deadline, f"the router has not polled the restarted workers {workers}"
+            time.sleep(0.1)
     nodes = sum(c.name.startswith("kvstore-node") for c in cluster.children)
     if nodes:
         master = grpc_address(cluster, "kvstore-master")
@@ -82,6 +93,19 @@ def restore(cluster: Cluster, argv: dict[str, list[str]], timeout_s: float = 120
             assert time.monotonic() < deadline, f"the KV store master has not every segment ({nodes}) again"
             time.sleep(0.1)
     return restarted
+
+
+def _polled_since(router, cluster: Cluster, addresses: list[str], seconds: float) -> bool:
+    """The router lists every worker up, and each of ``addresses`` answered its poll less than ``seconds`` ago."""
+    key = {**os.environ, **cluster.env, **router.env}.get("PD_API_KEY")
+    headers = {"Authorization": f"Bearer {key}"} if key else None
+    try:
+        view = httpx.get(router.health.removesuffix("/health") + "/v1/workers", timeout=2.0, headers=headers).json()["workers"]
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return False
+    ago = {w["address"]: w.get("last_ok_s_ago") for w in view}
+    return (all(w.get("state") == "up" for w in view)
+            and all(ago.get(a) is not None and ago[a] < seconds for a in addresses))
 
 
 def _store_segments(master: str, cluster: Cluster) -> float:
