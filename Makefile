@@ -24,14 +24,15 @@ lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/buf lint protos
 
-# the whole suite in file order, then the fast tests again in random order (pytest-randomly; the seed is printed:
-# pytest -m "not slow" -p randomly --randomly-seed=N repeats that order). The slow cluster tests share module-scoped
-# clusters that some of them stop or restart; in random order they break each other (issue 15 notes), so they run in
-# file order until each destructive test has a cluster of its own.
+# the whole suite once, in random order (pytest-randomly shuffles the modules, then the tests of each module); the
+# seed is printed first and `make test SEED=N` repeats that order. Tests that stop, kill or reconfigure a process of
+# a cluster shared by their module restore it before the next test (tests/cluster.py restore) or have one of their own.
+ifndef SEED
+SEED := $(shell od -An -N2 -tu2 /dev/urandom | tr -d ' ')
+endif
 test: lint
-	$(PY) -m pytest -q -p no:randomly --durations=25
-	seed=$$(od -An -N2 -tu2 /dev/urandom | tr -d ' '); echo "random order: --randomly-seed=$$seed"; \
-	$(PY) -m pytest -q -m "not slow" -p randomly --randomly-seed=$$seed
+	@echo "random order, seed $(SEED): make test SEED=$(SEED) repeats it"
+	$(PY) -m pytest -q -p randomly --randomly-seed=$(SEED) --durations=25
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow"

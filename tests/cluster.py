@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
 
+import grpc
 import httpx
 
 from splitserve.launcher import Cluster, build_cluster, free_port
 from splitserve.paths import default_model_path
+from splitserve.rpc.server import sync_channel
+from splitserve.rpc.tls import tls_from_env
 
 TEST_ENV = {"UCX_NET_DEVICES": "lo", "PD_LOG_LEVEL": "WARNING"}
 
@@ -38,6 +42,81 @@ def start_cluster(num_prefill=1, num_decode=1, worker_args=None, model=None, sto
 def grpc_address(cluster: Cluster, name: str) -> str:
     """gRPC address of a cluster process by name (e.g. "prefill-0", "kvstore-master")."""
     return next(c for c in cluster.children if c.name == name).health.removeprefix("grpc:")
+
+
+def snapshot(cluster: Cluster) -> dict[str, list[str]]:
+    """Each process's argv by name, as started: what :func:`restore` brings the cluster back to."""
+    return {c.name: list(c.argv) for c in cluster.children}
+
+
+def restore(cluster: Cluster, argv: dict[str, list[str]], timeout_s: float = 120.0) -> list[str]:
+    """Bring a cluster shared by the tests of a module back to how it started, whatever the test before did:
+    every process continued (SIGCONT: one a test SIGSTOPped), every process that exited (SIGKILL, SIGTERM) or
+    runs with an argv other than ``argv[name]`` (a test restarted it with other flags) started again with its
+    original argv (same ports); then wait until every process is healthy, the router has every worker up (a
+    restarted one answered its poll since it came back: not the router's last view of the old process) and the
+    KV store master (if any) has a segment of every storage node. Cheap when nothing changed (health checks).
+
+    Args:
+        argv: each process's original argv by name (:func:`snapshot` right after start).
+    Returns:
+        The names of the processes restarted.
+    Raises:
+        RuntimeError, AssertionError: not healthy again within ``timeout_s``."""
+    restarted = []
+    for child in cluster.children:
+        if child.proc is not None and child.proc.poll() is None:
+            os.kill(child.proc.pid, signal.SIGCONT)
+            if child.argv == argv[child.name]:
+                continue
+            child.proc.kill()
+            child.proc.wait()
+        child.argv = list(argv[child.name])
+        cluster.start_child(child)
+        restarted.append(child.name)
+    cluster.wait_healthy(timeout_s=timeout_s)
+    healthy_at = time.monotonic()
+    workers = [c.health.removeprefix("grpc:") for c in cluster.children
+               if c.name in restarted and c.name.startswith(("prefill", "decode"))]
+    router = next((c for c in cluster.children if c.name == "router"), None)
+    if workers and router is not None and router.name not in restarted:
+        # the router may still hold its view of the old process: wait for a successful poll of the new one
+        deadline = time.monotonic() + timeout_s
+        while not _polled_since(router, cluster, workers, time.monotonic() - healthy_at):
+            assert time.monotonic() < deadline, f"the router has not polled the restarted workers {workers}"
+            time.sleep(0.1)
+    nodes = sum(c.name.startswith("kvstore-node") for c in cluster.children)
+    if nodes:
+        master = grpc_address(cluster, "kvstore-master")
+        deadline = time.monotonic() + timeout_s
+        while _store_segments(master, cluster) != nodes:
+            assert time.monotonic() < deadline, f"the KV store master has not every segment ({nodes}) again"
+            time.sleep(0.1)
+    return restarted
+
+
+def _polled_since(router, cluster: Cluster, addresses: list[str], seconds: float) -> bool:
+    """The router lists every worker up, and each of ``addresses`` answered its poll less than ``seconds`` ago."""
+    key = {**os.environ, **cluster.env, **router.env}.get("PD_API_KEY")
+    headers = {"Authorization": f"Bearer {key}"} if key else None
+    try:
+        view = httpx.get(router.health.removesuffix("/health") + "/v1/workers", timeout=2.0, headers=headers).json()["workers"]
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return False
+    ago = {w["address"]: w.get("last_ok_s_ago") for w in view}
+    return (all(w.get("state") == "up" for w in view)
+            and all(ago.get(a) is not None and ago[a] < seconds for a in addresses))
+
+
+def _store_segments(master: str, cluster: Cluster) -> float:
+    from pd.v1 import common_pb2, kvstore_pb2_grpc
+
+    try:
+        with sync_channel(master, tls_from_env({**os.environ, **cluster.env})) as ch:
+            stub = kvstore_pb2_grpc.KVStoreMasterServiceStub(ch)
+            return stub.GetStats(common_pb2.GetStatsRequest(), timeout=5).counters["segments"]
+    except grpc.RpcError:
+        return -1
 
 
 class Colocated:

@@ -4,7 +4,8 @@ behind the router). Workers are killed (SIGKILL), stopped (SIGSTOP) and restarte
 data endpoint; clients cancel, disconnect and let deadlines expire. Decode migration is off here
 (``--decode-migrations 0``: a decode worker killed mid-stream ends its streams with UNAVAILABLE; on:
 tests/test_migration_cluster.py). After every test, every live worker's KV pool is back to its baseline and no
-stream is open anywhere.
+stream is open anywhere; before every test, the router and its 4 workers are restored as they started
+(tests/cluster.py ``restore``), so the tests run in any order.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from splitserve.paths import default_model_path
 from splitserve.rpc.server import channel
 from splitserve.rpc.tls import TlsConfig
 from tests.certs import make_pki, tls_env
-from tests.cluster import TEST_ENV
+from tests.cluster import TEST_ENV, restore, snapshot
 from tests.idle import wait_idle
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -57,6 +58,7 @@ class Chaos:
         self.router = f"127.0.0.1:{grpc_port}"
         c = self.cluster.children
         self.p0, self.p1, self.d0, self.d1, self.router_child = c
+        self.argv = snapshot(self.cluster)
         port = free_port()
         argv = list(self.p0.argv)
         argv[argv.index("--port") + 1] = str(port)
@@ -117,10 +119,18 @@ class Chaos:
 
 
 @pytest.fixture(scope="module")
-def chaos(tmp_path_factory):
+def shared_chaos(tmp_path_factory):
     c = Chaos(tmp_path_factory.mktemp("pki"))
     yield c
     c.stop()
+
+
+@pytest.fixture
+def chaos(shared_chaos):
+    """The module's cluster with the router and every worker as started, up and in rotation (tests kill workers
+    and restart prefill-0 with other flags)."""
+    restore(shared_chaos.cluster, shared_chaos.argv)
+    return shared_chaos
 
 
 @pytest.fixture(autouse=True)
@@ -376,9 +386,8 @@ async def test_prefill_killed_mid_prefill(chaos, references):
 
 async def test_unreachable_kv_data_endpoint_falls_back_within_the_timeout(chaos, references):
     """prefill-0 comes back advertising a KV data endpoint nobody listens on (its gRPC control path works)."""
-    if chaos.p0.proc.poll() is None:  # run alone (not after the kill test): stop the original prefill-0 first
-        chaos.p0.proc.kill()
-        chaos.p0.proc.wait()
+    chaos.p0.proc.kill()  # stop the original prefill-0 first
+    chaos.p0.proc.wait()
     dead = free_port()
     chaos.p0.argv = [*chaos.p0.argv, "--data-advertise", f"127.0.0.1:{dead}"]
     chaos.cluster.start_child(chaos.p0)
@@ -407,8 +416,6 @@ async def test_unreachable_kv_data_endpoint_falls_back_within_the_timeout(chaos,
 
 
 async def test_decode_killed_mid_stream(chaos, references):
-    chaos.p0.proc.kill()  # (prefill-0's KV path is unreachable: its 2 s fallbacks would stagger the streams)
-    chaos.p0.proc.wait()
     n_streams = 8
     running = [asyncio.Event() for _ in range(n_streams)]
 

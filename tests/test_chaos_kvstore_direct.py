@@ -4,7 +4,9 @@ nodes with one replica per object, all real processes (gRPC control, UCX data).
 
 A failed cache read costs recomputation, never a wrong token: every request gives the colocated server's
 greedy tokens. After every test each worker's KV pool is back at its baseline and nothing is held or being
-written; the killed or hung node is then restored for the next test."""
+written. Each test has a cluster of its own: a storage node restarted on its address costs each prefill worker one
+failed write (its endpoint to the old process) and pauses placement there, which would change where the next test's
+prefix lands."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from tests.store_chaos import (B, HEARTBEAT_TIMEOUT_S, IO_TIMEOUT_S, StoreCluste
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def store():
     c = StoreCluster(num_prefill=2, nodes=2, replicas=1)
     yield c

@@ -15,7 +15,7 @@ from pd.v1 import common_pb2, kvstore_pb2_grpc, prefill_pb2_grpc
 
 from splitserve.model import load_model
 from splitserve.paths import default_model_path
-from tests.cluster import grpc_address, start_cluster
+from tests.cluster import grpc_address, restore, snapshot, start_cluster
 from tests.test_e2e_disaggregated import grpc_tokens
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -44,13 +44,39 @@ def pool():
     return ids
 
 
-@pytest.fixture(scope="module")
-def store_cluster():
-    c, base_url, router = start_cluster(
+def start_store_cluster():
+    return start_cluster(
         num_prefill=2, num_decode=1, store_nodes=2,
         master_args=["--replicas", "2", "--lease-s", "3", "--heartbeat-interval-s", "0.2", "--heartbeat-timeout-s", "6"],
         node_args=["--segment-mb", "16"],
     )
+
+
+@pytest.fixture(scope="module")
+def shared_store_cluster():
+    c, base_url, router = start_store_cluster()
+    yield c, base_url, router, snapshot(c)
+    for child in c.children:  # never leave a stopped process behind
+        if child.proc.poll() is None:
+            os.kill(child.proc.pid, signal.SIGCONT)
+    c.stop()
+
+
+@pytest.fixture
+def store_cluster(shared_store_cluster):
+    """(cluster, base url, router gRPC address): the module's cluster, every process running (a test SIGSTOPs
+    the storage nodes for a while) and both storage nodes mounted."""
+    c, base_url, router, argv = shared_store_cluster
+    restore(c, argv)
+    return c, base_url, router
+
+
+@pytest.fixture
+def own_store_cluster():
+    """A cluster like the module's, for one test that kills a storage node: a node restarted on the same address
+    costs each prefill worker one failed write (its endpoint to the old process) and the master then places
+    nothing there for the heartbeat timeout, which would change what the next test finds cached."""
+    c, base_url, router = start_store_cluster()
     yield c, base_url, router
     c.stop()
 
@@ -168,9 +194,9 @@ async def test_read_outliving_its_lease_is_recomputed(store_cluster, colocated, 
     assert total(prefill_stats(cluster), "kvstore_lease_expired") > total(before, "kvstore_lease_expired")
 
 
-async def test_reads_use_the_surviving_replica_when_a_storage_node_dies(store_cluster, colocated, pool):
-    """Last in this module: it kills a storage node."""
-    cluster, _, router = store_cluster
+async def test_reads_use_the_surviving_replica_when_a_storage_node_dies(own_store_cluster, colocated, pool):
+    """Kills a storage node (of a cluster of its own)."""
+    cluster, _, router = own_store_cluster
     prefix = pool[70:118]  # 3 full blocks, on both nodes
     await both(router, colocated, prefix)
     wait_for_writes(cluster)

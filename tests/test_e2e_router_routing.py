@@ -3,7 +3,8 @@
 Load spreads under each policy; a repeated 3,000-token prefix sticks to one prefill worker and reports
 cached tokens; short prompts under conditional disaggregation never touch a prefill worker and give the
 same tokens; a SIGKILLed prefill worker fails no request, is marked down, and comes back after restart.
-The failure test is last in this module (it kills and restarts a worker)."""
+Two tests kill a worker: every test gets the module's cluster restored first (tests/cluster.py ``restore``),
+so they run in any order."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import pytest
 from pd.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
 from splitserve.launcher import free_port
-from tests.cluster import TEST_ENV, grpc_address, start_cluster
+from tests.cluster import TEST_ENV, grpc_address, restore, snapshot, start_cluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 MODEL = "synthetic:llama-tiny"
@@ -29,12 +30,20 @@ ROUTER_ARGS = ["--poll-interval-s", "0.3", "--miss-limit", "2"]
 
 
 @pytest.fixture(scope="module")
-def rcluster():
+def shared_cluster():
     cluster, base, _ = start_cluster(num_prefill=2, num_decode=2, model=MODEL, router_args=ROUTER_ARGS)
     try:
-        yield cluster, base
+        yield cluster, base, snapshot(cluster)
     finally:
         cluster.stop()
+
+
+@pytest.fixture
+def rcluster(shared_cluster):
+    """(cluster, base url): the module's cluster with every process up and in rotation again."""
+    cluster, base, argv = shared_cluster
+    restore(cluster, argv)
+    return cluster, base
 
 
 class Router:
@@ -245,7 +254,7 @@ def test_killed_prefill_worker_fails_nothing_goes_down_and_comes_back(rcluster):
 
 
 def test_decode_worker_killed_mid_stream_ends_the_stream_with_an_error(rcluster):
-    """Last: kills a decode worker while it streams; the SSE stream gets an error event and [DONE], no hang."""
+    """Kills a decode worker while it streams; the SSE stream gets an error event and [DONE], no hang."""
     cluster, base = rcluster
     body = {"model": _model_name(base), "prompt": _prompt(30, 50000), "max_tokens": 3000, "temperature": 0,
             "ignore_eos": True, "stream": True}

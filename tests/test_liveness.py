@@ -10,7 +10,9 @@ keepalive (a hung peer is detected within ~2 s) and engine steps slowed by 5 ms 
   router sends it to the other worker), the in-flight streams complete with full, correct output, exit code 0;
 * SIGTERM to the router: /health 503 and new requests refused at once, the streams in flight complete, exit 0.
 
-After every test, every live worker's KV pool is back to its baseline and no stream is open anywhere.
+After every test, every live worker's KV pool is back to its baseline and no stream is open anywhere; before
+every test, the module's cluster is restored (tests/cluster.py ``restore``: the drained processes restarted), so the
+tests run in any order.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from pd.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
 from splitserve.client import RouterClient
 from splitserve.launcher import Child
 from splitserve.rpc.server import channel
-from tests.cluster import start_cluster
+from tests.cluster import restore, snapshot, start_cluster
 from tests.idle import wait_idle, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -55,6 +57,7 @@ class Live:
         self.cluster, self.base_url, self.router = start_cluster(
             num_prefill=2, num_decode=2, store_nodes=0, worker_args=["--kv-cache-mb", "32"], env=env)
         self.p0, self.p1, self.d0, self.d1, self.router_child = self.cluster.children
+        self.argv = snapshot(self.cluster)
         self._channels: dict = {}
 
     def stop(self) -> None:
@@ -115,10 +118,18 @@ class Live:
 
 
 @pytest.fixture(scope="module")
-def live():
+def shared_live():
     c = Live()
     yield c
     c.stop()
+
+
+@pytest.fixture
+def live(shared_live):
+    """The module's cluster with every process running and every worker in rotation again (tests SIGTERM a
+    decode worker and the router)."""
+    restore(shared_live.cluster, shared_live.argv)
+    return shared_live
 
 
 @pytest.fixture(autouse=True)

@@ -23,7 +23,7 @@ from splitserve.launcher import free_port
 from splitserve.model import load_model
 from splitserve.paths import default_model_path
 from splitserve.telemetry.receiver import STATUS_ERROR, OTLPReceiver
-from tests.cluster import TEST_ENV, read_up_banner, start_cluster
+from tests.cluster import TEST_ENV, read_up_banner, restore, snapshot, start_cluster
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -35,12 +35,21 @@ WORKER_SERVICES = {"splitserve-router", "splitserve-prefill", "splitserve-decode
 
 
 @pytest.fixture(scope="module")
-def traced():
+def traced_cluster():
     receiver = OTLPReceiver().start()
     cluster, base_url, grpc_address = start_cluster(env={"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, **FAST_EXPORT})
-    yield receiver, base_url, grpc_address, cluster
+    yield receiver, base_url, grpc_address, cluster, snapshot(cluster)
     cluster.stop()
     receiver.stop()
+
+
+@pytest.fixture
+def traced(traced_cluster):
+    """(receiver, base url, router gRPC address, cluster): the module's cluster with every process up again (a
+    test kills the decode worker)."""
+    receiver, base_url, grpc_address, cluster, argv = traced_cluster
+    restore(cluster, argv)
+    return receiver, base_url, grpc_address, cluster
 
 
 def in_trace(spans, trace_id):
@@ -218,7 +227,7 @@ async def test_metrics_of_every_service_parse_and_move(traced):
 
 
 async def test_decode_worker_killed_mid_stream_ends_the_router_spans_with_errors(traced):
-    """Last test on this cluster: it kills the decode worker."""
+    """Kills the decode worker (the ``traced`` fixture starts it again for the next test)."""
     receiver, base_url, _, cluster = traced
     decode = next(c for c in cluster.children if c.name == "decode-0")
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 400, "temperature": 0, "stream": True, "ignore_eos": True}

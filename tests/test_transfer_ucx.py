@@ -131,6 +131,7 @@ def test_wire_roundtrip():
 @real_ucx
 async def test_fragmented_and_contiguous(peer, receiver):
     r, pool = receiver
+    failed_before = peer.stats()["transfers_failed"]  # the peer is shared: other tests fail transfers on purpose
     src, dst = [5, 6, 7, 12, 30, 31, 2], [0, 1, 2, 3, 10, 11, 40]  # 4 segments
     peer.register("frag", src)
     n = await r.fetch(peer.endpoint, "frag", src, dst, 10.0)
@@ -144,24 +145,28 @@ async def test_fragmented_and_contiguous(peer, receiver):
     events = await wait_events(peer, "frag", "contig")
     assert ("frag", True) in events and ("contig", True) in events
     stats = peer.stats()
-    assert stats["bytes_sent"] >= (len(src) + 16) * LAYOUT.block_nbytes and stats["transfers_failed"] == 0
+    assert stats["bytes_sent"] >= (len(src) + 16) * LAYOUT.block_nbytes and stats["transfers_failed"] == failed_before
 
 
 @real_ucx
-async def test_concurrent_fetches_share_one_endpoint(peer, receiver):
-    r, pool = receiver
-    zero_blocks(pool, range(NUM_BLOCKS))
-    jobs = []
-    for i in range(8):
-        src = [i * 4 + 3, i * 4 + 2, i * 4 + 1, i * 4]  # reversed order: 4 one-block segments
-        dst = [63 - i * 4, 62 - i * 4, 61 - i * 4, 60 - i * 4]
-        peer.register(f"c{i}", src)
-        jobs.append((f"c{i}", src, dst))
-    sizes = await asyncio.gather(*(r.fetch(peer.endpoint, tid, s, d, 10.0) for tid, s, d in jobs))
-    assert sizes == [4 * LAYOUT.block_nbytes] * 8
-    for _tid, s, d in jobs:
-        assert_blocks(pool, s, d)
-    assert list(r._endpoints.peers) == [peer.endpoint]  # one cached endpoint per peer
+async def test_concurrent_fetches_share_one_endpoint(peer):
+    pool = allocate_kv_cache(LAYOUT, NUM_BLOCKS)  # a receiver of its own: no endpoint cached by other tests
+    r = create_receiver("ucx", pool, LAYOUT)
+    await r.start()
+    try:
+        jobs = []
+        for i in range(8):
+            src = [i * 4 + 3, i * 4 + 2, i * 4 + 1, i * 4]  # reversed order: 4 one-block segments
+            dst = [63 - i * 4, 62 - i * 4, 61 - i * 4, 60 - i * 4]
+            peer.register(f"c{i}", src)
+            jobs.append((f"c{i}", src, dst))
+        sizes = await asyncio.gather(*(r.fetch(peer.endpoint, tid, s, d, 10.0) for tid, s, d in jobs))
+        assert sizes == [4 * LAYOUT.block_nbytes] * 8
+        for _tid, s, d in jobs:
+            assert_blocks(pool, s, d)
+        assert list(r._endpoints.peers) == [peer.endpoint]  # one cached endpoint per peer
+    finally:
+        await r.close()
 
 
 @real_ucx
