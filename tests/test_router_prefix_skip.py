@@ -8,11 +8,14 @@ from collections import Counter
 
 from pd.v1 import common_pb2, prefill_pb2
 
+from splitserve.engine.sampling import SamplingParams
+
 from splitserve.services.router.backend import RoutedBackend
 from splitserve.services.router.disaggregation import DisaggregationPolicy
 from splitserve.services.router.policies import PrefixAware, RoundRobin
 from splitserve.services.router.prefill_leg import prefill_leg
 from splitserve.services.router.registry import DECODE, PREFILL, WorkerState
+from tests.test_router_migration import servers  # noqa: F401, F811  (the fixture)
 
 B = 16
 
@@ -88,3 +91,22 @@ async def test_push_leaves_a_prompt_decode_partly_holds_to_the_pull_path():
     p0.kv_endpoint = ""  # d1 holds nothing: the push goes on (here: no sender endpoint known, so it stops after that check)
     assert await push_leg(router, "b", history, sampling, d1, None) is None
     assert router.counters["push_skipped_prefix_held"] == 1
+
+
+async def test_what_decode_holds_is_recorded_even_when_the_consumer_stops_at_the_finish_event(servers):  # noqa: F811
+    """The front door stops reading at a choice's last event: the router must have recorded the generated tokens (the
+    next turn's prompt extends them) by then, or every other turn of a chat misses the prefill skip."""
+    from tests.test_router_migration import LENGTH, NONE, FakeDecode, backend_of, remote
+
+    prompt = list(range(100, 100 + 2 * B))
+    out = list(range(500, 500 + B + 1))  # the first token (from prefill) and B more: B + 1 held after the last
+    decode = FakeDecode([(0, t, NONE) for t in out[1:-1]] + [(0, out[-1], LENGTH)])
+    backend = await backend_of(servers, remote([out[0]]), [decode], policy=PrefixAware(block_size=B))
+    try:
+        async for ev in backend.generate("req-1", prompt, SamplingParams(max_tokens=len(out))):
+            if ev.finish_reason is not None:
+                break  # as the front doors do: no further read after the last event
+        d0 = backend.registry.workers[DECODE][0]
+        assert backend.policy.matched_tokens(d0, prompt + out + [7] * B) == 3 * B  # prompt + generated, all but the last
+    finally:
+        await backend.close()

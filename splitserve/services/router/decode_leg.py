@@ -133,10 +133,9 @@ class DecodeLeg:
                             self._first_message(msg, time.monotonic() - t0)
                         ev = await self._event(call, msg)
                         if ev is not None:
+                            if ev.finish_reason is not None and ev.index == (self.choice or 0):
+                                self._record_held()  # before the yield: a consumer may stop at the finish event
                             yield ev
-                    # every token but the last has its KV computed there: the next turn of a chat can reuse it
-                    held = self.generated.get(0 if self.choice is None else self.choice, [])
-                    self.router.policy.record(self.decode, self.prompt + held[:-1])
                     return
                 except (grpc.aio.AioRpcError, StreamStalled) as exc:
                     nxt = self._next_worker(exc)  # raises when the request cannot move
@@ -155,6 +154,13 @@ class DecodeLeg:
             async with contextlib.aclosing(continue_choices(self, err, reason)) as events:
                 async for ev in events:
                     yield ev
+
+    def _record_held(self) -> None:
+        """Tell the policy what the decode worker's prefix cache now holds: the prompt and every token choice 0 (a
+        continuation: its choice) generated but the last (the last one's KV is never computed), so the next turn of a
+        chat, whose prompt extends them, can reuse them there (or skip the prefill worker)."""
+        held = self.generated.get(self.choice or 0, [])
+        self.router.policy.record(self.decode, self.prompt + held[:-1])
 
     def _first_message(self, msg: decode_pb2.DecodeResponse, seconds: float) -> None:
         """The stream started: free KV the decode worker recomputed instead of pulling, and feed the disaggregation
