@@ -15,7 +15,7 @@ from splitserve.services.router.disaggregation import DisaggregationPolicy
 from splitserve.services.router.policies import PrefixAware, RoundRobin
 from splitserve.services.router.prefill_leg import prefill_leg
 from splitserve.services.router.registry import DECODE, PREFILL, WorkerState
-from tests.test_router_migration import servers  # noqa: F401, F811  (the fixture)
+from tests.test_router_migration import servers  # noqa: F401  (the fixture)
 
 B = 16
 
