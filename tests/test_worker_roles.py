@@ -179,3 +179,22 @@ async def test_the_role_command_reads_and_switches_a_worker(lm):
         assert w.roles.role == "decode"
     finally:
         await w.stop()
+
+
+def test_the_role_command_on_a_worker_without_roles_says_so(capsys):
+    """A worker born to one role (or a router) has no RoleService: one clear line, exit 1, not "Method not found"."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+
+    from splitserve.services.worker.role_cli import main
+
+    server = grpc.server(ThreadPoolExecutor(max_workers=1))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        assert main([f"127.0.0.1:{port}", "prefill"]) == 1
+    finally:
+        server.stop(0)
+    err = capsys.readouterr().err
+    assert "has no RoleService" in err and "splitserve worker" in err

@@ -52,6 +52,10 @@ def main(argv: list[str]) -> int:
         print(f"splitserve role: error: {exc}", file=sys.stderr)
         return 2
     except grpc.aio.AioRpcError as exc:
-        print(f"splitserve role: {a.address}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        if exc.code() == grpc.StatusCode.UNIMPLEMENTED:  # a prefill/decode worker born to one role, or a router
+            print(f"splitserve role: {a.address} has no RoleService: only a worker started with `splitserve worker` "
+                  "(or `splitserve up --elastic`) can switch roles", file=sys.stderr)
+        else:
+            print(f"splitserve role: {a.address}: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
     return 0
