@@ -153,8 +153,10 @@ def test_up_on_a_busy_port_is_one_line_at_once(flag, what) -> None:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        proc = subprocess.run([sys.executable, "-m", "splitserve.cli", "up", flag, str(port)], capture_output=True, text=True,
-                              timeout=60)
+        # the other listener gets a free port too: its default (8000 / 50051) may be another cluster's
+        other = ["--grpc-port", str(launcher.free_port())] if flag == "--http-port" else ["--http-port", str(launcher.free_port())]
+        proc = subprocess.run([sys.executable, "-m", "splitserve.cli", "up", flag, str(port), *other], capture_output=True,
+                              text=True, timeout=60)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines() == [
         f"splitserve up: error: cannot listen on 127.0.0.1:{port} ({what}): the port is in use or the address is not local"]
