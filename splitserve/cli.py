@@ -259,6 +259,9 @@ def version() -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from splitserve.parent_death import arm_from_env
+
+    arm_from_env()  # started by a launcher: die with it
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)

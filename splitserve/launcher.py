@@ -5,12 +5,12 @@ Waits until every process is healthy, prints the endpoints, reports any process 
 and on Ctrl-C / SIGTERM stops them gracefully, front to back: the router first (it drains: in-flight
 requests finish within the shutdown grace period while the workers still serve them), then the prefill
 and decode workers (drained too), then the KV store's storage nodes, then its master; a process still running
-after the grace period (plus a margin) is killed. Each child also gets PR_SET_PDEATHSIG, so none outlives a launcher that is killed outright.
+after the grace period (plus a margin) is killed. Each child also asks for PR_SET_PDEATHSIG at start-up
+(:mod:`splitserve.parent_death`), so none outlives a launcher that is killed outright.
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
 import random
 import signal
@@ -26,6 +26,7 @@ import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitserve.env import env_float
+from splitserve.parent_death import PARENT_PID_ENV
 from splitserve.rpc.server import sync_channel
 from splitserve.rpc.shutdown import DEFAULT_GRACE_S
 from splitserve.rpc.tls import TlsConfig, tls_from_env
@@ -33,8 +34,6 @@ from splitserve.transfer import ucx_env_defaults
 
 if TYPE_CHECKING:
     from splitserve.up_config import UpConfig
-
-_PR_SET_PDEATHSIG = 1
 
 
 _PORTS = random.SystemRandom()
@@ -56,13 +55,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:  # crowded range: let the kernel choose
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
 
 
 @dataclass
@@ -93,7 +85,8 @@ class Cluster:
         for key, value in ucx_env_defaults().items():
             env.setdefault(key, value)
         child.reported = False
-        child.proc = subprocess.Popen(child.argv, env=env, preexec_fn=_die_with_parent, start_new_session=True)
+        env[PARENT_PID_ENV] = str(os.getpid())  # the child dies with us (splitserve.parent_death; no preexec_fn)
+        child.proc = subprocess.Popen(child.argv, env=env, start_new_session=True)
 
     def wait_healthy(self, timeout_s: float = 180.0, children: list[Child] | None = None) -> None:
         """Wait until every process (default: all) answers its health check and, when the router is among them,
