@@ -52,3 +52,13 @@ def test_storage_nodes_stop_before_the_master(tmp_path: Path) -> None:
     lines = log.read_text().splitlines()
     for node in names[1:]:
         assert lines.index(f"{node}-exit") < lines.index("kvstore-master-term"), lines
+
+
+def test_free_port_never_hands_out_the_same_port_twice(monkeypatch):
+    """A cluster draws its ports before binding any: an equal draw must not be returned twice."""
+    from splitserve import launcher
+
+    draws = iter([24001, 24001, 24002])
+    monkeypatch.setattr(launcher._PORTS, "randrange", lambda a, b: next(draws))
+    monkeypatch.setattr(launcher, "_HANDED_OUT", set())
+    assert [launcher.free_port(), launcher.free_port()] == [24001, 24002]
