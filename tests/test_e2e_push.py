@@ -102,17 +102,18 @@ async def _kill_mid_push(victim: str, num_decode: int, story_ids, colocated):
     """A request in flight with the prefill step slowed (PD_FAULT_STEP_DELAY_MS): decode has subscribed and waits,
     prefill has not sent the KV yet; ``victim`` is killed by PID; the request must complete (another path) within
     its deadline and the survivors must free every block."""
-    c, address = push_cluster(0, num_decode, env={"PD_FAULT_STEP_DELAY_MS": "1500"})
+    c, address = push_cluster(0, num_decode, env={"PD_FAULT_STEP_DELAY_MS": "2500"})
     try:
         await wait_pushing(c, address, story_ids[:3])
         prompt = story_ids[: 2 * BLOCK + 3]
         task = asyncio.create_task(tokens(address, prompt, 3, timeout=60))
         decodes = [f"decode-{i}" for i in range(num_decode)]
 
-        async def subscribed():
-            if (await stats(c, "prefill-0"))["prefills_in_flight"] < 1:
-                return False
-            return any([(await stats(c, d))["streams_open"] >= 1 for d in decodes])
+        async def subscribed():  # polled together: the window is one slowed prefill step, on a loaded machine
+            if task.done():
+                raise AssertionError(f"the request ended before a push was seen in flight: {task.result()}")
+            p, *ds = await asyncio.gather(*(stats(c, n) for n in ["prefill-0", *decodes]))
+            return p["prefills_in_flight"] >= 1 and any(d["streams_open"] >= 1 for d in ds)
         await until(subscribed, 30, "a push in flight")
         if victim == "decode":
             victim = [d for d in decodes if (await stats(c, d))["streams_open"] >= 1][0]
