@@ -84,3 +84,37 @@ async def test_invalid_prefill_fails_decode_at_once(push, lm):
     with pytest.raises(PdError):
         await asyncio.wait_for(run(push, too_long), 10)
     await push.wait_idle(timeout_s=5.0)
+
+
+
+async def test_push_landed_but_the_prefill_answer_lost_falls_back_beside_the_running_push_call(lm, monkeypatch):
+    """The KV push completes (the decode worker starts decoding under the request id) but the Prefill answer never
+    reaches the router (its worker died right after): the router's fallback, a local prefill on the same decode
+    worker, must not collide with the dropped push call still running there (a CI run failed with "duplicate
+    request_id")."""
+    import grpc
+
+    from splitserve.services.prefill.server import PrefillServicer
+    answer = PrefillServicer.Prefill
+
+    async def answer_lost(self, request, context):
+        resp = await answer(self, request, context)
+        if request.push_bootstrap_id:  # once the decode worker decodes the pushed KV under the request id
+            for _ in range(200):
+                if request.request_id in cluster[0].decode[0].engine._queues:
+                    break
+                await asyncio.sleep(0.01)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "answer lost")
+        return resp
+    monkeypatch.setattr(PrefillServicer, "Prefill", answer_lost)
+    c = await InprocCluster(lm, kv_transfer_mode="push").start()
+    cluster = [c]
+    try:
+        prompt = prompt_of(lm, 2 * B + 3)
+        ref = await colocated(c, prompt, max_tokens=200)
+        assert await asyncio.wait_for(run(c, prompt, max_tokens=200), 30) == ref
+        assert c.backend.counters["push_prefill_failures"] == 1
+        assert (await c.worker_stats())[1]["local_prefills"] == 1
+        await c.wait_idle(timeout_s=10.0)
+    finally:
+        await c.stop()

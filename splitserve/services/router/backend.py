@@ -139,7 +139,10 @@ class RoutedBackend:
             pushed = None
             if self.kv_transfer_mode == "push" and params.max_tokens > 1:
                 pushed = await push_leg(self, request_id, prompt, sampling, decode, deadline)
-            remote = pushed.remote if pushed else await prefill_leg(self, request_id, prompt, sampling, decode, deadline)
+            if pushed is not None:
+                request_id = pushed.request_id  # another id while a dropped push call drains on the decode worker
+            remote = pushed.remote if pushed and pushed.remote else await prefill_leg(self, request_id, prompt, sampling,
+                                                                                      decode, deadline)
             if remote is not None and remote.finished:  # prefill alone finished the request: no decode leg, no KV left
                 for ev in remote.first_events():
                     yield ev

@@ -21,6 +21,10 @@ connection).
      retryable one (worker unreachable, overloaded, deadline of the hop) falls back to the ordinary prefill leg
      (another prefill worker, or a local prefill on the decode worker).
 
+A dropped Decode call may still be open on the decode worker when the request goes on (the pull path, or a local
+prefill on the same worker), so the rest of the request runs under another request id (:func:`pull_request_id`):
+the decode worker refuses a request id it is already serving.
+
 The result is a :class:`PushStart`, or None when the request should take the ordinary (pull) path: also when the
 decode worker is believed to hold a prefix of the prompt (the prefix_aware policy's record), since a push fills every
 prompt block while the pull path moves only the uncached suffix or skips the prefill worker.
@@ -38,6 +42,7 @@ import grpc
 from pd.v1 import common_pb2, decode_pb2
 
 from splitserve.deadline import hop_timeout
+from splitserve.services.router.migration import MAX_REQUEST_ID_LEN
 from splitserve.services.router.prefill_leg import RemotePrefill, _try_prefill
 from splitserve.services.router.registry import PREFILL, WorkerState
 
@@ -52,16 +57,27 @@ _draining: set[asyncio.Task] = set()
 
 @dataclass(slots=True)
 class PushStart:
-    """A prefill answered for a push: ``remote`` (its response) and ``call``, the Decode stream already running when
-    the KV was pushed (None when it was cancelled: the request finished at prefill, or the KV is to be pulled)."""
+    """The push leg's outcome: ``remote``, the prefill's response (None: the prefill failed, take the ordinary prefill
+    leg); ``call``, the Decode stream already running when the KV was pushed (None when it was dropped: the request
+    finished at prefill, or the KV is to be pulled); ``request_id``, the id every later leg uses (the request's own
+    while ``call`` is kept, :func:`pull_request_id` once the dispatched Decode call was dropped)."""
 
-    remote: RemotePrefill
+    remote: RemotePrefill | None
     call: grpc.aio.UnaryStreamCall | None
+    request_id: str
+
+
+def pull_request_id(request_id: str) -> str:
+    """The id of a request's later legs after its push Decode call was dropped (unique on the decode worker while
+    that call drains; the base stays readable in logs)."""
+    suffix = "~pull"
+    return request_id[: MAX_REQUEST_ID_LEN - len(suffix)] + suffix
 
 
 async def push_leg(router: RoutedBackend, request_id: str, prompt: list[int], sampling: common_pb2.SamplingParams,
                    decode: WorkerState, deadline: float | None) -> PushStart | None:
-    """Steps 1-3 (see the module docstring). Raises the typed error of a non-retryable prefill failure."""
+    """Steps 1-3 (see the module docstring). None: no Decode call was dispatched (take the pull path under
+    ``request_id``). Raises the typed error of a non-retryable prefill failure."""
     if router.policy.matched_tokens(decode, prompt):  # decode's prefix cache holds part of the prompt: the pull
         router.counters["push_skipped_prefix_held"] += 1  # path moves only the rest (delta) or skips the prefill
         return None
@@ -83,7 +99,7 @@ async def push_leg(router: RoutedBackend, request_id: str, prompt: list[int], sa
         resp = await _try_prefill(router, prefill, request_id, prompt, sampling, uncached, deadline, bootstrap_id)
         if resp is None:
             router.counters["push_prefill_failures"] += 1
-            return None
+            return PushStart(None, None, pull_request_id(request_id))
         remote = RemotePrefill(prefill, resp)
         keep = resp.kv_pushed and not remote.finished
         if keep:
@@ -91,7 +107,7 @@ async def push_leg(router: RoutedBackend, request_id: str, prompt: list[int], sa
         elif not remote.finished:
             router.counters["push_fallbacks"] += 1
             logger.warning("request %s: KV push did not complete; pulling from %s", request_id, prefill.address)
-        return PushStart(remote, call if keep else None)
+        return PushStart(remote, call if keep else None, request_id if keep else pull_request_id(request_id))
     finally:
         if not keep:
             task = asyncio.get_running_loop().create_task(_drain(call))
