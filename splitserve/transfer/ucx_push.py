@@ -19,7 +19,7 @@ from splitserve.telemetry.propagation import current_trace_context
 from splitserve.transfer import push_wire, wire
 from splitserve.transfer.common import Status, segments_checksum
 from splitserve.transfer.push import PushResult, Subscriber, group_bounds
-from splitserve.transfer.ucx_requests import Posted
+from splitserve.transfer.ucx_requests import Posted, SettleOnError
 
 logger = logging.getLogger("splitserve.transfer.ucx")
 _EMPTY = np.empty(0, dtype=np.uint8)
@@ -130,7 +130,8 @@ async def receive_push(rx, endpoint: str, bootstrap_id: str, dst_block_ids: list
         logger.info("KV push %s from %s abandoned with receives posted: endpoint aborted", bootstrap_id, endpoint)
 
     grace = lambda: max(0.0, min(rx._cancel_grace_s, deadline - loop.time()))  # noqa: E731
-    try:
+    async with SettleOnError(posted, grace, abort, what=f"KV push {bootstrap_id!r} from {endpoint}",
+                             bad_answer=f"bad push status from KV sender {endpoint}"):
         posted.recv(status_buf, tag)
         for j, (l0, l1) in enumerate(groups):
             for i, d in enumerate(dst_block_ids):
@@ -151,18 +152,3 @@ async def receive_push(rx, endpoint: str, bootstrap_id: str, dst_block_ids: list
                 rx.stats.checksum_failures += 1
                 raise KVChecksumMismatch(f"KV push {bootstrap_id!r} from {endpoint} is corrupted")
         return PushResult(tuple(st.first_token_ids), st.finished, 0 if st.finished else nb * bn)
-    except asyncio.CancelledError:
-        await posted.settle(grace(), abort)
-        raise
-    except asyncio.TimeoutError:
-        await posted.settle(0.0, abort)
-        raise KVTransferError(f"KV push {bootstrap_id!r} from {endpoint} timed out") from None
-    except wire.WireError as exc:
-        await posted.settle(0.0, abort)
-        raise KVTransferError(f"bad push status from KV sender {endpoint}: {exc}") from None
-    except (KVTransferError, KVLayoutMismatch):
-        await posted.settle(grace(), abort)
-        raise
-    except Exception as exc:
-        await posted.settle(grace(), abort)
-        raise KVTransferError(f"KV push {bootstrap_id!r} from {endpoint} failed: {exc!r}") from exc

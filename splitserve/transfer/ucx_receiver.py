@@ -30,7 +30,7 @@ from splitserve.transfer.layout import KVLayout
 from splitserve.transfer.push import PushResult
 from splitserve.transfer.ucx_endpoints import EndpointCache
 from splitserve.transfer.ucx_push import receive_push
-from splitserve.transfer.ucx_requests import Posted
+from splitserve.transfer.ucx_requests import Posted, SettleOnError
 
 logger = logging.getLogger("splitserve.transfer.ucx")
 
@@ -142,7 +142,8 @@ class UcxKVReceiver(KVReceiver):
             self._endpoints.drop(key, ep)
             logger.info("KV fetch from %s abandoned with requests posted: endpoint aborted", key)
 
-        try:
+        async with SettleOnError(posted, grace, abort, what=f"KV fetch of {transfer_id!r} from {key}",
+                                 bad_answer=f"bad answer from KV sender {key}"):
             # Every receive is posted before the request goes out, with no await in between: UCX writes the
             # segments straight into the pool (zero copy), and there is no half-posted state to undo.
             posted.recv(status_buf, tag)
@@ -167,21 +168,6 @@ class UcxKVReceiver(KVReceiver):
             if self._verify:
                 self._check(key, transfer_id, segments, checksum)
             return sum(n for _s, _d, n in segments) * bn
-        except asyncio.CancelledError:
-            await posted.settle(grace(), abort)
-            raise
-        except asyncio.TimeoutError:
-            await posted.settle(0.0, abort)
-            raise KVTransferError(f"KV fetch of {transfer_id!r} from {key} timed out") from None
-        except wire.WireError as exc:
-            await posted.settle(0.0, abort)
-            raise KVTransferError(f"bad answer from KV sender {key}: {exc}") from None
-        except (KVTransferError, TransferNotFound, KVLayoutMismatch):
-            await posted.settle(grace(), abort)
-            raise
-        except Exception as exc:  # posting failed (endpoint closed under us) or an unexpected UCX error
-            await posted.settle(grace(), abort)
-            raise KVTransferError(f"KV fetch of {transfer_id!r} from {key} failed: {exc!r}") from exc
 
     def _check(self, key: str, transfer_id: str, segments, expected: int | None) -> None:
         if expected is None:

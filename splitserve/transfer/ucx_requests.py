@@ -11,8 +11,8 @@ Invariant every user relies on: a buffer handed to :class:`Posted` may be reused
 reads posted send buffers until then. ``settle`` closes the endpoint when something is still posted,
 which cancels it, and waits for UCX to report that.
 
-Used by the KV transfer (``ucx_sender``, ``ucx_receiver``) and the KV store's data plane (data client,
-storage node).
+Used by the KV transfer (``ucx_sender``, ``ucx_receiver``, ``ucx_push``) and the KV store's data plane (data
+client, storage node). :class:`SettleOnError` is the receive side's exception ladder (a fetch, a push).
 """
 
 from __future__ import annotations
@@ -20,6 +20,9 @@ from __future__ import annotations
 import asyncio
 import logging
 from typing import Callable
+
+from splitserve.errors import KVLayoutMismatch, KVTransferError, TransferNotFound
+from splitserve.transfer.wire import WireError
 
 logger = logging.getLogger("splitserve.transfer.ucx")
 
@@ -174,3 +177,52 @@ class Posted:
         if cancelled:
             raise asyncio.CancelledError()
         return ok
+
+
+class SettleOnError:
+    """``async with``: when the block fails, settle ``posted`` (:meth:`Posted.settle`) and raise a typed error.
+
+    * cancelled: settle with ``grace()`` seconds (a callable: evaluated at the failure), then re-raise;
+    * ``asyncio.TimeoutError``: settle at once, raise ``KVTransferError("<what> timed out")``;
+    * :class:`~splitserve.transfer.wire.WireError`: settle at once, raise ``KVTransferError("<bad_answer>: <exc>")``;
+    * ``KVTransferError``, ``TransferNotFound``, ``KVLayoutMismatch`` (the block's own verdicts): settle with
+      ``grace()``, re-raise;
+    * any other ``Exception`` (posting failed, an unexpected UCX error): settle with ``grace()``, raise
+      ``KVTransferError("<what> failed: <exc>")`` from it.
+
+    ``abort`` must close the endpoint (see :meth:`Posted.settle`). A block that succeeds settles nothing: the
+    caller awaited its requests.
+    """
+
+    __slots__ = ("_posted", "_grace", "_abort", "_what", "_bad_answer")
+
+    _VERDICTS = (KVTransferError, TransferNotFound, KVLayoutMismatch)
+
+    def __init__(self, posted: Posted, grace: Callable[[], float], abort: Callable[[], None], *, what: str,
+                 bad_answer: str) -> None:
+        self._posted, self._grace, self._abort = posted, grace, abort
+        self._what, self._bad_answer = what, bad_answer
+
+    async def __aenter__(self) -> Posted:
+        return self._posted
+
+    async def __aexit__(self, exc_type, exc, tb) -> bool:
+        if exc is None:
+            return False
+        settle = self._posted.settle
+        if isinstance(exc, asyncio.CancelledError):
+            await settle(self._grace(), self._abort)
+            return False
+        if isinstance(exc, asyncio.TimeoutError):
+            await settle(0.0, self._abort)
+            raise KVTransferError(f"{self._what} timed out") from None
+        if isinstance(exc, WireError):
+            await settle(0.0, self._abort)
+            raise KVTransferError(f"{self._bad_answer}: {exc}") from None
+        if isinstance(exc, self._VERDICTS):
+            await settle(self._grace(), self._abort)
+            return False
+        if isinstance(exc, Exception):
+            await settle(self._grace(), self._abort)
+            raise KVTransferError(f"{self._what} failed: {exc!r}") from exc
+        return False

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 
 from splitserve.cli_help import new_parser
-from splitserve.env import env_bool, env_choice, env_float, env_int
+from splitserve.env import env_float, env_int
+from splitserve.services.kv_transfer_config import add_kv_pull_args, check_kv_pull, kv_pull_fields
 from splitserve.services.worker_config import WorkerConfig, add_worker_args, worker_fields
-
-KV_TRANSFER_FAILURES = ("fallback", "error")
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,10 +23,7 @@ class DecodeConfig(WorkerConfig):
 
     def __post_init__(self) -> None:
         WorkerConfig.__post_init__(self)  # (slots dataclass: no zero-argument super())
-        if self.kv_transfer_timeout_s <= 0:
-            raise ValueError(f"kv_transfer_timeout_s must be > 0, got {self.kv_transfer_timeout_s}")
-        if self.kv_transfer_failure not in KV_TRANSFER_FAILURES:
-            raise ValueError(f"kv_transfer_failure must be 'fallback' or 'error', got {self.kv_transfer_failure!r}")
+        check_kv_pull(self)
         if self.kv_push_timeout_s <= 0 or self.kv_push_layer_groups < 0:
             raise ValueError("kv_push_timeout_s must be > 0 and kv_push_layer_groups >= 0")
 
@@ -36,18 +31,11 @@ class DecodeConfig(WorkerConfig):
 def parse(argv: list[str] | None = None) -> DecodeConfig:
     ap = new_parser("splitserve decode", "Run a decode worker.")
     add_worker_args(ap, port_env="PD_DECODE_PORT", port=50071)
-    ap.add_argument("--kv-transfer-timeout-s", type=float, default=env_float("PD_KV_TRANSFER_TIMEOUT_S", 10.0),
-                    help="seconds a KV pull may take; a slower one fails (then --kv-transfer-failure applies)")
-    ap.add_argument("--kv-transfer-failure", choices=KV_TRANSFER_FAILURES,
-                    default=env_choice("PD_KV_TRANSFER_FAILURE", KV_TRANSFER_FAILURES, "fallback"),
-                    help="when a KV pull fails: recompute the prompt here (fallback) or fail the request (error)")
-    ap.add_argument("--kv-checksum", action=argparse.BooleanOptionalAction, default=env_bool("PD_KV_CHECKSUM"),
-                    help="verify an xxh3-64 checksum of every pulled KV transfer (mismatch: as a failed pull)")
+    add_kv_pull_args(ap)
     ap.add_argument("--kv-push-timeout-s", type=float, default=env_float("PD_KV_PUSH_TIMEOUT_S", 60.0),
                     help="push mode: seconds a decode worker waits for the prefill worker's push (compute included)")
     ap.add_argument("--kv-push-layer-groups", type=int, default=env_int("PD_KV_PUSH_LAYER_GROUPS", 0),
                     help="push mode: layer groups sent as each is computed (0: one per layer; 1: the whole KV at the end)")
     a = ap.parse_args(argv)
-    return DecodeConfig(**worker_fields(a), kv_transfer_timeout_s=a.kv_transfer_timeout_s,
-                        kv_transfer_failure=a.kv_transfer_failure, kv_checksum=a.kv_checksum,
-                        kv_push_timeout_s=a.kv_push_timeout_s, kv_push_layer_groups=a.kv_push_layer_groups)
+    return DecodeConfig(**worker_fields(a), **kv_pull_fields(a), kv_push_timeout_s=a.kv_push_timeout_s,
+                        kv_push_layer_groups=a.kv_push_layer_groups)

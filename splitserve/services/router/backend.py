@@ -39,6 +39,7 @@ from splitserve.services.router.kv_release import KVRelease
 from splitserve.services.router.layouts import check_layouts
 from splitserve.services.router.policies import Policy, RoundRobin
 from splitserve.services.router.prefill_leg import prefill_leg
+from splitserve.services.router.prompt_blocks import PromptBlocks
 from splitserve.services.router.push_leg import push_leg
 from splitserve.services.router.registry import DECODE, PREFILL, WorkerRegistry, WorkerState
 from splitserve.telemetry.metrics import ROUTER_WORKER_PICKS
@@ -108,7 +109,7 @@ class RoutedBackend:
     def stats(self) -> dict[str, float]:
         return {"streams_open": self.streams_open, "background_tasks": len(self.kv_release.tasks), **self.counters}
 
-    def pick(self, role: str, prompt: list[int], exclude: set[str]) -> WorkerState | None:
+    def pick(self, role: str, prompt: PromptBlocks | list[int], exclude: set[str]) -> WorkerState | None:
         """A worker of ``role`` chosen by the policy among those up and not in ``exclude`` (addresses); None if none."""
         candidates = [w for w in self.registry.up(role) if w.address not in exclude]
         if not candidates:
@@ -133,7 +134,7 @@ class RoutedBackend:
         try:
             self._sync_block_size()
             await self._wait_for_workers()
-            prompt = prompt_token_ids
+            prompt = PromptBlocks(prompt_token_ids)  # its block hashes are computed once, for every pick and record
             sampling = sampling_to_proto(params)
             decode = self.pick(DECODE, prompt, set())
             pushed = None

@@ -35,6 +35,7 @@ from splitserve.frontend.backend import TokenEvent
 from splitserve.rpc.convert import FINISH_FROM_PROTO, logprobs_from_proto, prompt_logprobs_from_proto
 from splitserve.rpc.status import error_from_rpc
 from splitserve.services.router.prefill_leg import RemotePrefill
+from splitserve.services.router.prompt_blocks import PromptBlocks
 from splitserve.services.router.registry import DECODE, WorkerState
 from splitserve.services.router.retry import DOWN, retryable
 from splitserve.services.router.migration import continue_choices
@@ -55,7 +56,7 @@ class DecodeLeg:
     Args:
         router: the backend (registry, policy, disaggregation, counters, settings).
         request_id: the request's id, the same on every leg.
-        prompt: the prompt's token ids.
+        prompt: the prompt's token ids (with its block hashes, computed once per request).
         sampling: the request's sampling parameters.
         decode: the decode worker picked first.
         remote: the prefill leg's result; None: the decode worker prefills locally.
@@ -72,13 +73,13 @@ class DecodeLeg:
         generated: per choice index, the tokens passed on so far (a continuation's history first).
     """
 
-    def __init__(self, router: RoutedBackend, request_id: str, prompt: list[int], sampling: common_pb2.SamplingParams,
+    def __init__(self, router: RoutedBackend, request_id: str, prompt: PromptBlocks | list[int], sampling: common_pb2.SamplingParams,
                  decode: WorkerState, remote: RemotePrefill | None, deadline: float | None, *,
                  resume: tuple[int, list[int]] | None = None, migrations: int = 0, tried: set[str] = frozenset(),
                  call: grpc.aio.UnaryStreamCall | None = None) -> None:
         self.router = router
         self.request_id = request_id
-        self.prompt = prompt
+        self.prompt = prompt = PromptBlocks.of(prompt)
         self.sampling = sampling
         self.decode = decode
         self.remote = remote
@@ -94,14 +95,15 @@ class DecodeLeg:
         self.pushed_call = call
         self.retry = call is None  # a pushed KV is only on the first decode worker
         if resume is not None:
-            self.request = decode_pb2.DecodeRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
-                                                    resume_output_token_ids=resume[1])
+            self.request = decode_pb2.DecodeRequest(request_id=request_id, prompt_token_ids=prompt.token_ids,
+                                                    sampling=sampling, resume_output_token_ids=resume[1])
         elif remote is None or call is not None:
-            self.request = decode_pb2.DecodeRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling)
+            self.request = decode_pb2.DecodeRequest(request_id=request_id, prompt_token_ids=prompt.token_ids,
+                                                    sampling=sampling)
         else:
             first = remote.first_token_ids
-            self.request = decode_pb2.DecodeRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
-                                                    kv_handle=remote.response.kv_handle, first_token_id=first[0],
+            self.request = decode_pb2.DecodeRequest(request_id=request_id, prompt_token_ids=prompt.token_ids,
+                                                    sampling=sampling, kv_handle=remote.response.kv_handle, first_token_id=first[0],
                                                     first_token_ids=first)
 
     async def events(self) -> AsyncIterator[TokenEvent]:
@@ -160,7 +162,7 @@ class DecodeLeg:
         continuation: its choice) generated but the last (the last one's KV is never computed), so the next turn of a
         chat, whose prompt extends them, can reuse them there (or skip the prefill worker)."""
         held = self.generated.get(self.choice or 0, [])
-        self.router.policy.record(self.decode, self.prompt + held[:-1])
+        self.router.policy.record(self.decode, self.prompt.extended(held[:-1]))
 
     def _first_message(self, msg: decode_pb2.DecodeResponse, seconds: float) -> None:
         """The stream started: free KV the decode worker recomputed instead of pulling, and feed the disaggregation

@@ -18,6 +18,7 @@ from typing import Callable
 import grpc
 from pd.v1 import role_pb2, role_pb2_grpc
 
+from splitserve.services.router.background import cancel_and_wait
 from splitserve.services.router.planner import Decision, PlannerConfig, PlannerCore, PoolWorker
 from splitserve.services.router.planner_signals import HistogramWindow, Signals, registry_load
 from splitserve.services.router.registry import PREFILL, WorkerRegistry
@@ -116,12 +117,7 @@ class Planner:
             self._task = asyncio.create_task(self._loop())
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await cancel_and_wait(self._task)
 
     def describe(self) -> dict:
         """For ``GET /v1/workers``: the knobs, the last decision, the number of flips, the recent decisions (flips and

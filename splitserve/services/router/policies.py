@@ -16,11 +16,11 @@ import random
 from collections import OrderedDict
 from typing import Sequence
 
-from splitserve.kvstore.block_hash import chain_hashes
+from splitserve.services.router.prompt_blocks import PromptBlocks
 from splitserve.services.router.registry import DECODE, PREFILL, WorkerState
 
 POLICIES = ("round_robin", "least_loaded", "prefix_aware")
-_ROOT = b"splitserve/router-prefix/v1"  # router-local namespace: the keys never leave the router
+Prompt = PromptBlocks | Sequence[int]  # a request's token ids; a PromptBlocks keeps its block hashes between calls
 
 
 def load_of(w: WorkerState) -> tuple[float, ...]:
@@ -33,15 +33,15 @@ def load_of(w: WorkerState) -> tuple[float, ...]:
 class Policy:
     name = ""
 
-    def pick(self, role: str, workers: Sequence[WorkerState], prompt: Sequence[int]) -> WorkerState:
+    def pick(self, role: str, workers: Sequence[WorkerState], prompt: Prompt) -> WorkerState:
         """One of ``workers`` (non-empty, all up) for a request with token ids ``prompt``."""
         raise NotImplementedError
 
-    def matched_tokens(self, w: WorkerState, prompt: Sequence[int]) -> int:
+    def matched_tokens(self, w: WorkerState, prompt: Prompt) -> int:
         """Prompt tokens ``w`` is believed to hold in its prefix cache (0 when unknown)."""
         return 0
 
-    def record(self, w: WorkerState, prompt: Sequence[int]) -> None:
+    def record(self, w: WorkerState, prompt: Prompt) -> None:
         """``w`` has processed ``prompt`` (its KV is now likely cached there)."""
 
 
@@ -82,8 +82,8 @@ class PrefixAware(LeastLoaded):
         self.balance_slack_tokens = balance_slack_tokens
         self._held: dict[str, OrderedDict[bytes, None]] = {}
 
-    def _hashes(self, prompt: Sequence[int]) -> list[bytes]:
-        return chain_hashes(_ROOT, prompt, self.block_size)
+    def _hashes(self, prompt: Prompt) -> list[bytes]:
+        return PromptBlocks.of(prompt).hashes(self.block_size)
 
     def _match(self, w: WorkerState, hashes: list[bytes]) -> int:
         held = self._held.get(w.address)

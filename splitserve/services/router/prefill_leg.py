@@ -32,6 +32,7 @@ from splitserve.errors import WorkerUnavailable
 from splitserve.frontend.backend import TokenEvent
 from splitserve.rpc.convert import FINISH_FROM_PROTO, logprob_from_proto, prompt_logprobs_from_proto
 from splitserve.rpc.status import error_from_rpc
+from splitserve.services.router.prompt_blocks import PromptBlocks
 from splitserve.services.router.registry import PREFILL, WorkerState
 from splitserve.services.router.retry import DOWN, retryable
 from splitserve.telemetry.metrics import ROUTER_FAILOVERS
@@ -86,7 +87,7 @@ class RemotePrefill:
         return events
 
 
-async def prefill_leg(router: RoutedBackend, request_id: str, prompt: list[int], sampling: common_pb2.SamplingParams,
+async def prefill_leg(router: RoutedBackend, request_id: str, prompt: PromptBlocks | list[int], sampling: common_pb2.SamplingParams,
                       decode: WorkerState, deadline: float | None) -> RemotePrefill | None:
     """Prefill ``prompt`` (token ids) for the decode worker ``decode`` (see the module docstring).
 
@@ -97,6 +98,7 @@ async def prefill_leg(router: RoutedBackend, request_id: str, prompt: list[int],
         WorkerUnavailable: no prefill worker is up or none succeeded, and the request may not be prefilled locally.
         PdError: the typed error of a prefill worker's non-retryable failure (e.g. InvalidRequest, KVLayoutMismatch).
     """
+    prompt = PromptBlocks.of(prompt)
     tried: set[str] = set()
     prefill = router.pick(PREFILL, prompt, tried)
     if prefill is None:
@@ -129,7 +131,7 @@ async def prefill_leg(router: RoutedBackend, request_id: str, prompt: list[int],
     return None
 
 
-async def _try_prefill(router: RoutedBackend, w: WorkerState, request_id: str, prompt: list[int],
+async def _try_prefill(router: RoutedBackend, w: WorkerState, request_id: str, prompt: PromptBlocks,
                        sampling: common_pb2.SamplingParams, uncached: int,
                        deadline: float | None, push_bootstrap_id: str = "") -> prefill_pb2.PrefillResponse | None:
     """One Prefill call on ``w``: its response, or None after a retryable failure (a worker that is unreachable
@@ -140,7 +142,7 @@ async def _try_prefill(router: RoutedBackend, w: WorkerState, request_id: str, p
     t0 = time.monotonic()
     try:
         resp = await w.stub.Prefill(
-            prefill_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
+            prefill_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=prompt.token_ids, sampling=sampling,
                                        push_bootstrap_id=push_bootstrap_id),
             timeout=hop_timeout(deadline, router.prefill_timeout_s),
         )

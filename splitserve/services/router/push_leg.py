@@ -44,6 +44,7 @@ from pd.v1 import common_pb2, decode_pb2
 from splitserve.deadline import hop_timeout
 from splitserve.services.router.migration import MAX_REQUEST_ID_LEN
 from splitserve.services.router.prefill_leg import RemotePrefill, _try_prefill
+from splitserve.services.router.prompt_blocks import PromptBlocks
 from splitserve.services.router.registry import PREFILL, WorkerState
 
 if TYPE_CHECKING:
@@ -74,10 +75,11 @@ def pull_request_id(request_id: str) -> str:
     return request_id[: MAX_REQUEST_ID_LEN - len(suffix)] + suffix
 
 
-async def push_leg(router: RoutedBackend, request_id: str, prompt: list[int], sampling: common_pb2.SamplingParams,
+async def push_leg(router: RoutedBackend, request_id: str, prompt: PromptBlocks | list[int], sampling: common_pb2.SamplingParams,
                    decode: WorkerState, deadline: float | None) -> PushStart | None:
     """Steps 1-3 (see the module docstring). None: no Decode call was dispatched (take the pull path under
     ``request_id``). Raises the typed error of a non-retryable prefill failure."""
+    prompt = PromptBlocks.of(prompt)
     if router.policy.matched_tokens(decode, prompt):  # decode's prefix cache holds part of the prompt: the pull
         router.counters["push_skipped_prefix_held"] += 1  # path moves only the rest (delta) or skips the prefill
         return None
@@ -90,7 +92,7 @@ async def push_leg(router: RoutedBackend, request_id: str, prompt: list[int], sa
         return None
     bootstrap_id = secrets.token_hex(16)
     call = decode.stub.Decode(
-        decode_pb2.DecodeRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
+        decode_pb2.DecodeRequest(request_id=request_id, prompt_token_ids=prompt.token_ids, sampling=sampling,
                                  push_bootstrap_id=bootstrap_id, push_endpoint=prefill.kv_endpoint),
         timeout=hop_timeout(deadline),
     )

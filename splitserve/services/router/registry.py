@@ -35,6 +35,7 @@ from pd.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 from splitserve.rpc.convert import layout_from_proto
 from splitserve.rpc.server import channel
 from splitserve.rpc.tls import TlsConfig
+from splitserve.services.router.background import cancel_and_wait
 from splitserve.services.worker.roles import ROLE_FROM_PROTO, takes
 from splitserve.telemetry.metrics import ROUTER_WORKER_UP
 from splitserve.transfer.layout import KVLayout
@@ -234,11 +235,6 @@ class WorkerRegistry:
         return [w.describe(now) for w in self.all()]
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await cancel_and_wait(self._task)
         for w in self.all():
             await w.channel.close()

@@ -3,17 +3,14 @@ its role at start. CLI flags with PD_* environment defaults."""
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 
 from splitserve.cli_help import new_parser
-from splitserve.config_checks import check_port
-from splitserve.env import env_bool, env_choice, env_float, env_int, env_str
-from splitserve.errors import InvalidRequest
-from splitserve.services.decode.config import KV_TRANSFER_FAILURES
+from splitserve.env import env_choice, env_float
+from splitserve.services.kv_transfer_config import (add_kv_pull_args, add_kv_source_args, check_kv_pull, check_kv_source,
+                                                    kv_pull_fields, kv_source_fields)
 from splitserve.services.worker.roles import ROLES, check_role
 from splitserve.services.worker_config import WorkerConfig, add_worker_args, worker_fields
-from splitserve.transfer.common import parse_endpoint
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,18 +39,8 @@ class RoleWorkerConfig(WorkerConfig):
         check_role(self.role)
         if not self.role_switch_grace_s >= 0:
             raise ValueError(f"--role-switch-grace-s must be >= 0, got {self.role_switch_grace_s}")
-        check_port("--data-port", self.data_port)
-        if self.kv_lease_s <= 0:
-            raise ValueError(f"kv_lease_s must be > 0, got {self.kv_lease_s}")
-        if self.kv_transfer_timeout_s <= 0:
-            raise ValueError(f"kv_transfer_timeout_s must be > 0, got {self.kv_transfer_timeout_s}")
-        if self.kv_transfer_failure not in KV_TRANSFER_FAILURES:
-            raise ValueError(f"kv_transfer_failure must be 'fallback' or 'error', got {self.kv_transfer_failure!r}")
-        if self.data_advertise:
-            try:
-                parse_endpoint(self.data_advertise)
-            except InvalidRequest as exc:
-                raise ValueError(f"data_advertise: {exc}") from None
+        check_kv_source(self)
+        check_kv_pull(self)
 
 
 def parse(argv: list[str] | None = None) -> RoleWorkerConfig:
@@ -65,22 +52,8 @@ def parse(argv: list[str] | None = None) -> RoleWorkerConfig:
                     help="after a role switch, calls of the role left are still admitted for this many seconds: routers "
                          "that have not polled since still send them (keep it above the routers' --poll-interval-s)")
     add_worker_args(ap, port_env="PD_WORKER_PORT", port=50081)
-    ap.add_argument("--data-host", default=env_str("PD_DATA_HOST", "127.0.0.1"),
-                    help="address of the UCX endpoint decode workers pull KV from")
-    ap.add_argument("--data-port", type=int, default=env_int("PD_DATA_PORT", 0), help="port of that UCX endpoint (0: any free port)")
-    ap.add_argument("--data-advertise", default=env_str("PD_DATA_ADVERTISE"),
-                    help="host:port decode workers pull KV from, when it differs from the listening address (NAT)")
-    ap.add_argument("--kv-lease-s", type=float, default=env_float("PD_KV_LEASE_S", 30.0),
-                    help="seconds a prompt's KV blocks are held for a decode worker to pull; then they are freed")
-    ap.add_argument("--kv-transfer-timeout-s", type=float, default=env_float("PD_KV_TRANSFER_TIMEOUT_S", 10.0),
-                    help="seconds a KV pull may take; a slower one fails (then --kv-transfer-failure applies)")
-    ap.add_argument("--kv-transfer-failure", choices=KV_TRANSFER_FAILURES,
-                    default=env_choice("PD_KV_TRANSFER_FAILURE", KV_TRANSFER_FAILURES, "fallback"),
-                    help="when a KV pull fails: recompute the prompt here (fallback) or fail the request (error)")
-    ap.add_argument("--kv-checksum", action=argparse.BooleanOptionalAction, default=env_bool("PD_KV_CHECKSUM"),
-                    help="verify an xxh3-64 checksum of every pulled KV transfer (mismatch: as a failed pull)")
+    add_kv_source_args(ap)
+    add_kv_pull_args(ap)
     a = ap.parse_args(argv)
-    return RoleWorkerConfig(**worker_fields(a), role=a.role, role_switch_grace_s=a.role_switch_grace_s, data_host=a.data_host, data_port=a.data_port,
-                            data_advertise=a.data_advertise, kv_lease_s=a.kv_lease_s,
-                            kv_transfer_timeout_s=a.kv_transfer_timeout_s, kv_transfer_failure=a.kv_transfer_failure,
-                            kv_checksum=a.kv_checksum)
+    return RoleWorkerConfig(**worker_fields(a), role=a.role, role_switch_grace_s=a.role_switch_grace_s,
+                            **kv_source_fields(a), **kv_pull_fields(a))
