@@ -36,6 +36,7 @@ class RoleWorkerConfig(WorkerConfig):
     kv_transfer_timeout_s: float = 10.0  # a KV pull that takes longer fails (then kv_transfer_failure applies)
     kv_transfer_failure: str = "fallback"  # "fallback": recompute the prompt here; "error": fail the request
     kv_checksum: bool = False  # verify an xxh3-64 checksum of every pulled transfer
+    kv_push_layer_groups: int = 0  # push: layer groups sent as soon as computed (0: one per layer; 1: whole KV at the end)
 
     def __post_init__(self) -> None:
         WorkerConfig.__post_init__(self)  # (slots dataclass: no zero-argument super())
@@ -49,6 +50,8 @@ class RoleWorkerConfig(WorkerConfig):
             raise ValueError(f"kv_transfer_timeout_s must be > 0, got {self.kv_transfer_timeout_s}")
         if self.kv_transfer_failure not in KV_TRANSFER_FAILURES:
             raise ValueError(f"kv_transfer_failure must be 'fallback' or 'error', got {self.kv_transfer_failure!r}")
+        if self.kv_push_layer_groups < 0:
+            raise ValueError(f"kv_push_layer_groups must be >= 0 (0: one per layer), got {self.kv_push_layer_groups}")
         if self.data_advertise:
             try:
                 parse_endpoint(self.data_advertise)
@@ -79,8 +82,10 @@ def parse(argv: list[str] | None = None) -> RoleWorkerConfig:
                     help="when a KV pull fails: recompute the prompt here (fallback) or fail the request (error)")
     ap.add_argument("--kv-checksum", action=argparse.BooleanOptionalAction, default=env_bool("PD_KV_CHECKSUM"),
                     help="verify an xxh3-64 checksum of every pulled KV transfer (mismatch: as a failed pull)")
+    ap.add_argument("--kv-push-layer-groups", type=int, default=env_int("PD_KV_PUSH_LAYER_GROUPS", 0),
+                    help="push mode, as decode: layer groups sent as each is computed (0: one per layer; 1: the whole KV at the end)")
     a = ap.parse_args(argv)
     return RoleWorkerConfig(**worker_fields(a), role=a.role, role_switch_grace_s=a.role_switch_grace_s, data_host=a.data_host, data_port=a.data_port,
                             data_advertise=a.data_advertise, kv_lease_s=a.kv_lease_s,
                             kv_transfer_timeout_s=a.kv_transfer_timeout_s, kv_transfer_failure=a.kv_transfer_failure,
-                            kv_checksum=a.kv_checksum)
+                            kv_checksum=a.kv_checksum, kv_push_layer_groups=a.kv_push_layer_groups)
