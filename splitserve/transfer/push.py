@@ -22,7 +22,7 @@ Invariant: the source blocks must not be written or freed until ``finish``/``fai
 
 Telemetry: one ``kv.send`` span per push (a child of the decode side's ``kv.receive`` span through the trace context
 of the subscription; bytes, duration, outcome, the ``splitserve:kv_transfer_*`` metrics), with one
-``kv.push.layers`` event per layer group sent (its layers and bytes).
+``kv.push.layers`` child span per layer group sent (its layer range, blocks and bytes; an error if sending failed).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
-from splitserve.telemetry.transfer import start_send
+from splitserve.telemetry.transfer import observe_push_layers, start_send
 from splitserve.transfer.common import Status
 
 logger = logging.getLogger("splitserve.transfer")
@@ -108,7 +108,7 @@ class PushSource:
         self._loop.call_soon_threadsafe(self._progress, list(src_block_ids[: self.num_blocks]), num_layers)
 
     def _progress(self, src: list[int], num_layers: int) -> None:
-        if self.closed:
+        if self.closed or self._layers_ready < 0:  # closed, or sending failed: nothing more is sent
             return
         self._src = src
         self._layers_ready = max(self._layers_ready, num_layers)
@@ -128,10 +128,10 @@ class PushSource:
             if not sub.alive():
                 raise ConnectionError("the decode side's connection is broken")
             while self._sent < len(sub.groups) and sub.groups[self._sent][1] <= self._layers_ready:
-                n = sub.send_group(self._sent, src)
-                self.nbytes += n
                 l0, l1 = sub.groups[self._sent]
-                self._obs.span.add_event("kv.push.layers", {"splitserve.kv.layers": f"{l0}-{l1}", "splitserve.kv.bytes": n})
+                with observe_push_layers(self._obs, self.bootstrap_id, l0, l1, len(src)) as group:
+                    group.nbytes = sub.send_group(self._sent, src)
+                self.nbytes += group.nbytes
                 self._sent += 1
         except Exception as exc:  # the decode side's endpoint failed: finish reports it (settle is False)
             logger.warning("KV push %s: sending failed: %r", self.bootstrap_id, exc)
