@@ -19,6 +19,10 @@ class KVTransferError(PdError):
     """Moving KV bytes between workers failed or timed out (UNAVAILABLE)."""
 
 
+class KVTransferCancelled(KVTransferError):
+    """The other side's request was cancelled by its caller (a client that went away): a normal end, not a fault."""
+
+
 class KVChecksumMismatch(KVTransferError):
     """The KV bytes that arrived do not match the checksum the sender computed (corrupted in transit)."""
 

@@ -37,6 +37,10 @@ class UpConfig:
     host: address every process listens on. http_port, grpc_port: the router's (0: any free port).
     transport, block_size, kv_cache_mb, kv_transfer_mode, dtype, max_model_len: passed to every worker (block_size
         and max_model_len in tokens, kv_cache_mb in MiB; dtype "auto" = the checkpoint's, max_model_len 0 = the model's).
+    kv_push_layer_groups: push mode, layer groups per push (0: one per layer; 1: the whole KV after the prefill);
+        passed with ``kv_transfer_mode`` "push" to every decode worker (with ``elastic``, to every worker: any may
+        become a decode worker).
+    decode_migrations: the router's moves of a stream to another decode worker after a mid-stream failure (0: off).
     store_nodes: KV store storage nodes (0: no store, no master). store_mb: segment per node, MiB.
     store_replicas: copies per object, on distinct nodes (<= store_nodes).
     policy, disagg: the router's worker selection and its disaggregation rule (checked by the router's config).
@@ -82,6 +86,8 @@ class UpConfig:
     planner: bool = False
     slo_ttft_ms: float | None = None
     slo_itl_ms: float | None = None
+    kv_push_layer_groups: int = 0
+    decode_migrations: int = 1
 
     def __post_init__(self) -> None:
         if self.num_prefill < 1 or self.num_decode < 1:
@@ -92,6 +98,10 @@ class UpConfig:
         for flag, slo in (("--slo-ttft-ms", self.slo_ttft_ms), ("--slo-itl-ms", self.slo_itl_ms)):
             if slo is not None and not slo > 0:
                 raise ValueError(f"{flag} must be > 0, got {slo}")
+        if self.kv_push_layer_groups < 0:
+            raise ValueError(f"--kv-push-layer-groups must be >= 0 (0: one per layer), got {self.kv_push_layer_groups}")
+        if self.decode_migrations < 0:
+            raise ValueError(f"--decode-migrations must be >= 0 (0: off), got {self.decode_migrations}")
         if self.store_nodes < 0:
             raise ValueError(f"--store-nodes must be >= 0, got {self.store_nodes}")
         if self.kv_transfer_mode == "store" and not self.store_nodes:
@@ -119,23 +129,33 @@ class UpConfig:
             raise ValueError("TLS: the cluster's gRPC servers need --tls-cert and --tls-key (PD_TLS_CERT, PD_TLS_KEY)")
 
     def worker_args(self) -> list[str]:
-        """Flags every prefill and decode worker gets."""
-        return ["--transport", self.transport, "--block-size", str(self.block_size), "--kv-cache-mb",
+        """Flags every prefill and decode worker gets (every elastic worker: the decode workers' flags too)."""
+        push = self.push_args() if self.elastic else []
+        return [*push, "--transport", self.transport, "--block-size", str(self.block_size), "--kv-cache-mb",
                 str(self.kv_cache_mb), "--kv-transfer-mode", self.kv_transfer_mode, "--dtype", self.dtype,
                 "--max-model-len", str(self.max_model_len), "--max-num-seqs", str(self.max_num_seqs),
                 "--max-num-batched-tokens", str(self.max_num_batched_tokens),
                 *(["--enable-chunked-prefill"] if self.enable_chunked_prefill else [])]
 
     def role_args(self) -> dict[str, list[str]]:
-        """Flags only the workers of one role get: their CPU pinning (``--cpus``)."""
-        return {role: ["--cpus", cpus] for role, cpus in (("prefill", self.prefill_cpus), ("decode", self.decode_cpus)) if cpus}
+        """Flags only the workers of one role get: their CPU pinning (``--cpus``); decode workers: :meth:`push_args`
+        (an elastic worker gets those from :meth:`worker_args`)."""
+        args = {role: ["--cpus", cpus] for role, cpus in (("prefill", self.prefill_cpus), ("decode", self.decode_cpus)) if cpus}
+        if not self.elastic and self.push_args():
+            args.setdefault("decode", []).extend(self.push_args())
+        return args
+
+    def push_args(self) -> list[str]:
+        """A decode worker's push settings (none unless ``kv_transfer_mode`` is "push")."""
+        return ["--kv-push-layer-groups", str(self.kv_push_layer_groups)] if self.kv_transfer_mode == "push" else []
 
     def router_args(self) -> list[str]:
         """Flags the router gets on top of its addresses and ports."""
         name = ["--served-model-name", self.served_model_name] if self.served_model_name else []
         planner = (["--planner", *(["--slo-ttft-ms", str(self.slo_ttft_ms)] if self.slo_ttft_ms else []),
                     *(["--slo-itl-ms", str(self.slo_itl_ms)] if self.slo_itl_ms else [])] if self.planner else [])
-        return ["--policy", self.policy, "--disagg", self.disagg, "--kv-transfer-mode", self.kv_transfer_mode, *name, *planner]
+        return ["--policy", self.policy, "--disagg", self.disagg, "--kv-transfer-mode", self.kv_transfer_mode,
+                "--decode-migrations", str(self.decode_migrations), *name, *planner]
 
     def router_env(self) -> dict[str, str]:
         """Variables only the router gets: its API key (an environment variable is not visible in ``ps``)."""
@@ -224,6 +244,12 @@ def parse(argv: list[str] | None = None) -> UpConfig:
     ap.add_argument("--kv-transfer-mode", default=env_choice("PD_KV_TRANSFER_MODE", TRANSFER_MODES, "direct"), choices=TRANSFER_MODES,
                     help="direct: decode pulls KV from prefill over UCX; store: through the KV store; "
                          "push: prefill and decode at once, prefill writes the KV into decode's blocks layer by layer")
+    ap.add_argument("--kv-push-layer-groups", type=int, default=env_int("PD_KV_PUSH_LAYER_GROUPS", 0),
+                    help="push mode: layer groups each decode worker asks for, each sent as soon as it is computed "
+                         "(PD_KV_PUSH_LAYER_GROUPS; 0: one per layer; 1: the whole KV after the prefill)")
+    ap.add_argument("--decode-migrations", type=int, default=env_int("PD_DECODE_MIGRATIONS", 1),
+                    help="times the router may move a stream to another decode worker when its worker dies or stalls "
+                         "mid-stream, token-exact (PD_DECODE_MIGRATIONS; 0: off)")
     ap.add_argument("--policy", default=env_choice("PD_ROUTING_POLICY", POLICIES, "round_robin"), choices=POLICIES,
                     help="router's worker selection policy")
     ap.add_argument("--disagg", default=env_str("PD_DISAGG", "always"),
@@ -249,4 +275,5 @@ def parse(argv: list[str] | None = None) -> UpConfig:
         prefill_cpus=a.prefill_cpus, decode_cpus=a.decode_cpus, max_num_seqs=a.max_num_seqs,
         max_num_batched_tokens=a.max_num_batched_tokens, enable_chunked_prefill=a.enable_chunked_prefill,
         elastic=a.elastic, planner=a.planner, slo_ttft_ms=a.slo_ttft_ms, slo_itl_ms=a.slo_itl_ms,
+        kv_push_layer_groups=a.kv_push_layer_groups, decode_migrations=a.decode_migrations,
     )

@@ -5,7 +5,10 @@ inside the block so the transport can put its context into the control message i
 Sender (prefill worker): :func:`start_send` when a pull arrives, with the trace context that came in
 that control message (see :mod:`splitserve.telemetry.propagation`), and
 :meth:`TransferObservation.finish` when it is served -- span ``kv.send``, a child of the
-receiver's ``kv.receive`` in the other process.
+receiver's ``kv.receive`` in the other process. A push (:mod:`splitserve.transfer.push`) sends the KV
+layer group by layer group as the prefill computes it: :func:`observe_push_layers` makes each group's send a
+``kv.push.layers`` span, a child of the push's ``kv.send`` (attributes ``splitserve.kv.first_layer``,
+``.end_layer`` (exclusive), ``.blocks``, ``.bytes``, ``.transfer_id``).
 
 Span attributes: ``splitserve.kv.transfer_id``, ``.transport``, ``.blocks``, ``.bytes``,
 ``.duration_s``, ``.gbps`` (decimal GB/s), ``server.address`` (receiver side: the sender's
@@ -81,6 +84,23 @@ def observe_receive(transport: str, endpoint: str, transfer_id: str, num_blocks:
         obs.finish(False, error=exc)
         raise
     obs.finish(True)
+
+
+@contextmanager
+def observe_push_layers(send: TransferObservation, transfer_id: str, first_layer: int, end_layer: int, num_blocks: int):
+    """Span ``kv.push.layers`` (a child of ``send``'s ``kv.send`` span) around posting layers ``[first_layer,
+    end_layer)`` of ``num_blocks`` KV blocks; set ``obs.nbytes`` (bytes posted) inside the block. An exception
+    leaving the block makes it an error span."""
+    attrs = {**_attributes(send.transport, transfer_id, num_blocks), "splitserve.kv.first_layer": first_layer,
+             "splitserve.kv.end_layer": end_layer}
+    span = tracer().start_span("kv.push.layers", context=trace.set_span_in_context(send.span), attributes=attrs)
+    obs = TransferObservation(span, "send", send.transport, send.clock)
+    try:
+        yield obs
+    except BaseException as exc:
+        end_span(span, outcome_of(exc, None), exc)
+        raise
+    end_span(span, "ok", **{"splitserve.kv.bytes": obs.nbytes})
 
 
 def start_send(transport: str, transfer_id: str, num_blocks: int, trace_context: str = "",

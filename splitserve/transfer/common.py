@@ -38,6 +38,7 @@ class Status(enum.IntEnum):
     LAYOUT_MISMATCH = 3
     CLOSING = 4
     FAILED = 5  # push: the prefill failed or the push could not be paired (detail says why)
+    CANCELLED = 6  # push: the prefill request was cancelled by its caller (the client went away)
 
 
 # --------------------------------------------------------------------------------------------------------

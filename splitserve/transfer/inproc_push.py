@@ -7,8 +7,8 @@ import asyncio
 
 import torch
 
-from splitserve.errors import KVChecksumMismatch, KVLayoutMismatch, KVTransferError
-from splitserve.transfer.common import segments_checksum
+from splitserve.errors import KVChecksumMismatch, KVLayoutMismatch, KVTransferCancelled, KVTransferError
+from splitserve.transfer.common import Status, segments_checksum
 from splitserve.transfer.push import PushResult, Subscriber, group_bounds
 
 
@@ -49,9 +49,15 @@ class InprocSubscriber(Subscriber):
         if not self.future.done():
             self.future.set_result((PushResult(tuple(first_token_ids), finished, 0 if finished else self.nbytes), checksum))
 
-    def fail(self, detail: str, layout: bool = False) -> None:
+    def fail(self, detail: str, status: Status = Status.FAILED) -> None:
         if not self.future.done():
-            self.future.set_exception(KVLayoutMismatch(detail) if layout else KVTransferError(f"KV push failed: {detail}"))
+            if status is Status.LAYOUT_MISMATCH:
+                exc = KVLayoutMismatch(detail)
+            elif status is Status.CANCELLED:
+                exc = KVTransferCancelled(f"KV push cancelled: {detail}")
+            else:
+                exc = KVTransferError(f"KV push failed: {detail}")
+            self.future.set_exception(exc)
 
     async def settle(self, timeout_s: float) -> bool:
         return not self.gone
@@ -63,7 +69,7 @@ async def receive_push(sender, rx, endpoint: str, bootstrap_id: str, dst_block_i
     sub = InprocSubscriber(sender._bytes, rx._bytes, rx._block_nbytes, sender._layout.num_layers, dst_block_ids,
                            layer_groups, rx._verify)
     if sender._block_nbytes != rx._block_nbytes or sender._digest != rx._digest:
-        sub.fail(f"KV layout mismatch with sender {endpoint}: remote [{sender._layout.describe()}]", layout=True)
+        sub.fail(f"KV layout mismatch with sender {endpoint}: remote [{sender._layout.describe()}]", Status.LAYOUT_MISMATCH)
     else:
         sender.push_table.subscribe(bootstrap_id, sub)
     try:

@@ -14,13 +14,15 @@ Lifecycle of one push (one *bootstrap id*, chosen at random by the router and se
 3. ``finish(first_token_ids)`` sends what is left, then the completion (first token of every choice; with
    ``finished`` no KV: the request ended at prefill), and waits until UCX no longer reads the source blocks.
    ``fail(reason)`` instead completes every unsent data message empty and sends a failure, so the decode side
-   frees its blocks at once; a failure before the subscription leaves a tombstone that fails it on arrival.
+   frees its blocks at once; a failure before the subscription leaves a tombstone that fails it on arrival. A
+   failure says whether the prefill was cancelled (``Status.CANCELLED``: its caller went away, a normal end that
+   the decode side does not log as a fault) or failed (``Status.FAILED``).
 
 Invariant: the source blocks must not be written or freed until ``finish``/``fail`` returned.
 
 Telemetry: one ``kv.send`` span per push (a child of the decode side's ``kv.receive`` span through the trace context
 of the subscription; bytes, duration, outcome, the ``splitserve:kv_transfer_*`` metrics), with one
-``kv.push.layers`` event per layer group sent (its layers and bytes).
+``kv.push.layers`` child span per layer group sent (its layer range, blocks and bytes; an error if sending failed).
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
-from splitserve.telemetry.transfer import start_send
+from splitserve.telemetry.transfer import observe_push_layers, start_send
+from splitserve.transfer.common import Status
 
 logger = logging.getLogger("splitserve.transfer")
 
@@ -71,8 +74,9 @@ class Subscriber(ABC):
         """Post the completion (every group sent before, or ``finished``: empty data messages for the rest)."""
 
     @abstractmethod
-    def fail(self, detail: str) -> None:
-        """Post empty messages for every unsent group and a failure carrying ``detail``."""
+    def fail(self, detail: str, status: Status = Status.FAILED) -> None:
+        """Post empty messages for every unsent group and a failure carrying ``status`` and ``detail``
+        (FAILED, CANCELLED, CLOSING or LAYOUT_MISMATCH)."""
 
     @abstractmethod
     async def settle(self, timeout_s: float) -> bool:
@@ -104,7 +108,7 @@ class PushSource:
         self._loop.call_soon_threadsafe(self._progress, list(src_block_ids[: self.num_blocks]), num_layers)
 
     def _progress(self, src: list[int], num_layers: int) -> None:
-        if self.closed:
+        if self.closed or self._layers_ready < 0:  # closed, or sending failed: nothing more is sent
             return
         self._src = src
         self._layers_ready = max(self._layers_ready, num_layers)
@@ -124,10 +128,10 @@ class PushSource:
             if not sub.alive():
                 raise ConnectionError("the decode side's connection is broken")
             while self._sent < len(sub.groups) and sub.groups[self._sent][1] <= self._layers_ready:
-                n = sub.send_group(self._sent, src)
-                self.nbytes += n
                 l0, l1 = sub.groups[self._sent]
-                self._obs.span.add_event("kv.push.layers", {"splitserve.kv.layers": f"{l0}-{l1}", "splitserve.kv.bytes": n})
+                with observe_push_layers(self._obs, self.bootstrap_id, l0, l1, len(src)) as group:
+                    group.nbytes = sub.send_group(self._sent, src)
+                self.nbytes += group.nbytes
                 self._sent += 1
         except Exception as exc:  # the decode side's endpoint failed: finish reports it (settle is False)
             logger.warning("KV push %s: sending failed: %r", self.bootstrap_id, exc)
@@ -168,14 +172,16 @@ class PushSource:
         finally:
             self._close()
 
-    async def fail(self, detail: str, timeout_s: float = 1.0) -> None:
-        """The prefill failed: tell the decode side (now, or when it subscribes) and stop sending."""
+    async def fail(self, detail: str, timeout_s: float = 1.0, cancelled: bool = False) -> None:
+        """The prefill failed (``cancelled``: its caller cancelled it): tell the decode side (now, or when it
+        subscribes) and stop sending."""
+        status = Status.CANCELLED if cancelled else Status.FAILED
         try:
             if self._sub is None:
-                self._table.tombstone(self.bootstrap_id, detail)
+                self._table.tombstone(self.bootstrap_id, detail, status)
                 return
             try:
-                self._sub.fail(detail)
+                self._sub.fail(detail, status)
             except Exception as exc:
                 logger.info("KV push %s: could not send the failure: %r", self.bootstrap_id, exc)
             await self._sub.settle(timeout_s)
@@ -202,7 +208,7 @@ class PushTable:
         self.wait_s = wait_s
         self._sources: dict[str, PushSource] = {}
         self._waiting: dict[str, tuple[Subscriber, asyncio.TimerHandle]] = {}
-        self._tombstones: dict[str, tuple[str, asyncio.TimerHandle]] = {}
+        self._tombstones: dict[str, tuple[str, Status, asyncio.TimerHandle]] = {}
         self._settling: set[asyncio.Task] = set()
         self.expired = 0
 
@@ -237,8 +243,8 @@ class PushTable:
         """A decode worker's subscription arrived (pairs it, or waits ``wait_s`` for its source)."""
         stone = self._tombstones.pop(bootstrap_id, None)
         if stone is not None:
-            stone[1].cancel()
-            self.reject(sub, stone[0])
+            stone[2].cancel()
+            self.reject(sub, stone[0], stone[1])
             return
         src = self._sources.get(bootstrap_id)
         if src is not None:
@@ -264,18 +270,19 @@ class PushTable:
             self.expired += 1
             self.reject(entry[0], f"no prefill request under push id {bootstrap_id!r} within {self.wait_s:g} s")
 
-    def tombstone(self, bootstrap_id: str, detail: str) -> None:
-        """Fail a subscription under ``bootstrap_id`` arriving within ``wait_s`` (or waiting now) with ``detail``."""
+    def tombstone(self, bootstrap_id: str, detail: str, status: Status = Status.FAILED) -> None:
+        """Fail a subscription under ``bootstrap_id`` arriving within ``wait_s`` (or waiting now) with ``status``
+        and ``detail``."""
         waiting = self._waiting.pop(bootstrap_id, None)
         if waiting is not None:
             waiting[1].cancel()
-            self.reject(waiting[0], detail)
+            self.reject(waiting[0], detail, status)
             return
         old = self._tombstones.pop(bootstrap_id, None)
         if old is not None:
-            old[1].cancel()
+            old[2].cancel()
         timer = asyncio.get_running_loop().call_later(self.wait_s, self._tombstones.pop, bootstrap_id, None)
-        self._tombstones[bootstrap_id] = (detail, timer)
+        self._tombstones[bootstrap_id] = (detail, status, timer)
 
     def close(self, bootstrap_id: str, src: PushSource) -> None:
         if self._sources.get(bootstrap_id) is src:

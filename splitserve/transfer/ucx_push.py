@@ -14,7 +14,7 @@ import logging
 
 import numpy as np
 
-from splitserve.errors import InvalidRequest, KVChecksumMismatch, KVLayoutMismatch, KVTransferError
+from splitserve.errors import InvalidRequest, KVChecksumMismatch, KVLayoutMismatch, KVTransferCancelled, KVTransferError
 from splitserve.telemetry.propagation import current_trace_context
 from splitserve.transfer import push_wire, wire
 from splitserve.transfer.common import Status, segments_checksum
@@ -144,6 +144,8 @@ async def receive_push(rx, endpoint: str, bootstrap_id: str, dst_block_ids: list
         st = push_wire.decode_push_status(status_buf)
         if st.status is Status.LAYOUT_MISMATCH:
             raise KVLayoutMismatch(f"KV layout mismatch with sender {endpoint}: remote [{st.detail}]")
+        if st.status is Status.CANCELLED:
+            raise KVTransferCancelled(f"KV push {bootstrap_id!r} from {endpoint} cancelled: {st.detail}")
         if st.status is not Status.OK:
             raise KVTransferError(f"KV push {bootstrap_id!r} from {endpoint} failed: {st.status.name} {st.detail}")
         if rx._verify and not st.finished:

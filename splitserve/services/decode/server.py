@@ -16,7 +16,7 @@ import grpc
 from pd.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 
 from splitserve.engine.async_engine import AsyncEngine
-from splitserve.errors import PdError
+from splitserve.errors import KVTransferCancelled, PdError
 from splitserve.engine.core import RequestOutput
 from splitserve.rpc.convert import (
     FINISH_TO_PROTO, layout_to_proto, logprobs_to_proto, prompt_logprobs_to_proto, sampling_from_proto,
@@ -73,7 +73,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                         msg.kv_recomputed, msg.kv_not_pulled = run.kv_recomputed, run.kv_not_pulled
                     yield self.grpc_bytes.sent(msg)
         except PdError as exc:
-            logger.warning("decode %s failed: %s", request.request_id, exc)
+            # a cancelled request (this call's or the prefill's: the router cancels both legs) is no fault
+            quiet = isinstance(exc, KVTransferCancelled) or context.cancelled()
+            logger.log(logging.INFO if quiet else logging.WARNING, "decode %s %s: %s", request.request_id,
+                       "cancelled" if quiet else "failed", exc)
             await abort_with(context, exc)
 
     async def GetKVLayout(self, request, context) -> common_pb2.GetKVLayoutResponse:

@@ -136,7 +136,10 @@ class PrefillWorker:
                 push = None
         except BaseException as exc:
             if push is not None:  # the decode side must not wait for KV that will not come
-                self._fail_push(push, f"prefill of {request_id} failed: {type(exc).__name__}: {exc}")
+                if isinstance(exc, asyncio.CancelledError):  # its caller went away: a normal end
+                    self._fail_push(push, f"prefill of {request_id} cancelled", cancelled=True)
+                else:
+                    self._fail_push(push, f"prefill of {request_id} failed: {type(exc).__name__}: {exc}")
             raise
         finally:
             self.in_flight -= 1
@@ -158,9 +161,10 @@ class PrefillWorker:
                 logger.warning("KV push %s did not complete; holding the KV for a pull", push.bootstrap_id)
         return ok
 
-    def _fail_push(self, push, detail: str) -> None:
-        """Send a push's failure in the background (it survives the cancel of the request that failed)."""
-        task = asyncio.get_running_loop().create_task(push.fail(detail))
+    def _fail_push(self, push, detail: str, cancelled: bool = False) -> None:
+        """Send a push's failure (``cancelled``: the request was cancelled) in the background (it survives the
+        cancel of the request that failed)."""
+        task = asyncio.get_running_loop().create_task(push.fail(detail, cancelled=cancelled))
         self._failing.add(task)
         task.add_done_callback(self._failing.discard)
 

@@ -9,7 +9,10 @@
 3. Once tokens flow, a failure the router may retry (the worker died, stalled or fails) moves the unfinished choices
    to other decode workers, each continuing from the tokens already sent (:mod:`~splitserve.services.router.migration`,
    at most ``decode_migrations`` moves per choice); otherwise the request ends with its typed error (an SSE error
-   event / a gRPC status at the front doors), never a hang.
+   event / a gRPC status at the front doors), never a hang. Push mode: a decode worker failing after the push
+   completed but before its stream started is not retried with the same request (the KV is only on that worker, and
+   the prefill worker freed its copy); the client already has every choice's first token, so the unfinished choices
+   migrate as in a mid-stream failure (the new worker recomputes prompt + first token).
 4. Stall guard: a stream that sends nothing for ``decode_stall_timeout_s`` fails as UNAVAILABLE
    (:mod:`~splitserve.services.router.stall`) and its worker leaves the rotation, before or after the first token.
 5. Release on exit: when no decode stream started (all failed, the client left, the deadline passed), or the decode
@@ -66,7 +69,7 @@ class DecodeLeg:
         migrations: how many times this choice's stream already moved (a continuation's count).
         tried: workers that already failed this request (never picked again).
         call: push mode: the Decode stream already running for a pushed KV (:mod:`.push_leg`); it is not retried on
-            another worker (the KV is only on this one).
+            another worker (the KV is only on this one): its failure before streaming migrates the choices (step 3).
 
     Attributes:
         started: a decode stream sent its first message (from then on a failure is not retried; it may migrate).
@@ -215,9 +218,11 @@ class DecodeLeg:
             router.counters["decode_stalls"] += 1
         if code in DOWN:  # unreachable, hung, stalled or draining: out of rotation, even mid-stream
             router.registry.mark_failed(w, reason)
-        if not self.started and not self.retry:  # push: the KV is only on this worker
-            _raise(err, exc)
         self.tried.add(w.address)
+        if not self.started and not self.retry:  # push: the KV was only on this worker; the first tokens were sent
+            if self.open_choices and retryable(code, self.deadline) and self.migrations < router.decode_migrations:
+                return None  # the unfinished choices continue elsewhere from their first tokens
+            _raise(err, exc)
         if self.started and not self.open_choices:  # the failure came after every choice's last token
             return None
         if not retryable(code, self.deadline) or (self.started and self.migrations >= router.decode_migrations):

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from splitserve.cli_help import new_parser
-from splitserve.env import env_choice, env_float
+from splitserve.env import env_choice, env_float, env_int
 from splitserve.services.kv_transfer_config import (add_kv_pull_args, add_kv_source_args, check_kv_pull, check_kv_source,
                                                     kv_pull_fields, kv_source_fields)
 from splitserve.services.worker.roles import ROLES, check_role
@@ -33,6 +33,7 @@ class RoleWorkerConfig(WorkerConfig):
     kv_transfer_timeout_s: float = 10.0  # a KV pull that takes longer fails (then kv_transfer_failure applies)
     kv_transfer_failure: str = "fallback"  # "fallback": recompute the prompt here; "error": fail the request
     kv_checksum: bool = False  # verify an xxh3-64 checksum of every pulled transfer
+    kv_push_layer_groups: int = 0  # push: layer groups sent as soon as computed (0: one per layer; 1: whole KV at the end)
 
     def __post_init__(self) -> None:
         WorkerConfig.__post_init__(self)  # (slots dataclass: no zero-argument super())
@@ -41,6 +42,8 @@ class RoleWorkerConfig(WorkerConfig):
             raise ValueError(f"--role-switch-grace-s must be >= 0, got {self.role_switch_grace_s}")
         check_kv_source(self)
         check_kv_pull(self)
+        if self.kv_push_layer_groups < 0:
+            raise ValueError(f"kv_push_layer_groups must be >= 0 (0: one per layer), got {self.kv_push_layer_groups}")
 
 
 def parse(argv: list[str] | None = None) -> RoleWorkerConfig:
@@ -54,6 +57,8 @@ def parse(argv: list[str] | None = None) -> RoleWorkerConfig:
     add_worker_args(ap, port_env="PD_WORKER_PORT", port=50081)
     add_kv_source_args(ap)
     add_kv_pull_args(ap)
+    ap.add_argument("--kv-push-layer-groups", type=int, default=env_int("PD_KV_PUSH_LAYER_GROUPS", 0),
+                    help="push mode, as decode: layer groups sent as each is computed (0: one per layer; 1: the whole KV at the end)")
     a = ap.parse_args(argv)
     return RoleWorkerConfig(**worker_fields(a), role=a.role, role_switch_grace_s=a.role_switch_grace_s,
-                            **kv_source_fields(a), **kv_pull_fields(a))
+                            **kv_source_fields(a), **kv_pull_fields(a), kv_push_layer_groups=a.kv_push_layer_groups)

@@ -45,7 +45,8 @@ async def serve(config: RoleWorkerConfig) -> None:
     prefill = RolePrefillServicer(roles, engine, sender, config.transport, config.kv_lease_s, prefill_store,
                                   advertise=config.data_advertise)
     decode = RoleDecodeServicer(roles, engine, receiver, config.transport, config.kv_transfer_timeout_s,
-                                config.kv_transfer_failure, store=decode_store)
+                                config.kv_transfer_failure, store=decode_store,
+                                push_layer_groups=config.kv_push_layer_groups)
     prefill.peer, decode.peer = decode, prefill
 
     drain = Drain()  # SIGTERM: both kinds of work are refused and drained
