@@ -222,7 +222,7 @@ async def test_metrics_of_every_service_parse_and_move(traced):
         after = {name: metric_values(url) for name, url in urls.items()}
     assert moved("kvstore-master", "splitserve:kv_store_puts_completed_total") == full_blocks
     assert value(after["kvstore-master"], "splitserve:kv_store_capacity_bytes") > 0
-    assert moved("kvstore-node-0", "splitserve:kv_store_node_ucx_bytes_written_total") == full_blocks * kv_bytes // -(-prompt_tokens // BLOCK)
+    assert moved("kvstore-node-0", "splitserve:kv_store_node_ucx_bytes_written_total") == full_blocks * BLOCK * (kv_bytes // prompt_tokens)
     assert any(n.startswith("splitserve:kv_store_client_") for n in names["prefill-0"])
 
 
