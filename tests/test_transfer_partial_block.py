@@ -165,3 +165,35 @@ async def test_ucx_pull_moves_only_used_rows(verify):
     finally:
         await receiver.close()
         await sender.close()
+
+
+@pytest.mark.parametrize("tail_rows", [0, 1, B - 1])
+async def test_store_tail_object_holds_only_the_used_rows(tail_rows):
+    """Store transfer mode: a partial last block is one object of tail_rows tokens' bytes, read back into its rows."""
+    from splitserve.kvstore.kv_blocks import KVBlockStore
+    from tests.memory_kvstore import MemoryStoreClient
+
+    client = MemoryStoreClient()
+    src = allocate_kv_cache(LAYOUT, 4)
+    fill_pattern(src, salt=SALT)
+    dst = allocate_kv_cache(LAYOUT, 8)
+    writer, reader = KVBlockStore(client, src, LAYOUT), KVBlockStore(client, dst, LAYOUT)
+    keys = ["full-a", "full-b", "tail"]
+    tickets = await writer.begin_save(keys, tail_rows)
+    report = await writer.finish_save(keys, tickets, [1, 2, 3], tail_rows)
+    assert report.written == keys
+    assert len(client.objects["tail"]) == (tail_rows or B) * TOKEN
+    assert client.data.bytes_written == (2 * B + (tail_rows or B)) * TOKEN
+    hits = await reader.lookup_prefix(keys)
+    assert await reader.load(hits, [5, 6, 7], None, tail_rows) == 3
+    assert client.data.bytes_read == client.data.bytes_written
+    for s, d in ((1, 5), (2, 6)):
+        assert torch.equal(block_bytes(dst, d), expected_block(LAYOUT, s, SALT))
+    if tail_rows:
+        assert_rows(src, dst, 3, 7, tail_rows)
+    else:
+        assert torch.equal(block_bytes(dst, 7), expected_block(LAYOUT, 3, SALT))
+    client.fail_reads = True  # a failed tail read leaves its block untouched
+    dst.zero_()
+    assert await reader.load(hits[2:], [7], None, tail_rows) == 0
+    assert not bool(block_bytes(dst, 7).any())
