@@ -7,7 +7,7 @@ sender's ``endpoint``); KV bytes never go over gRPC.
 
 Backends (``kind``):
 
-* ``"ucx"``    -- :mod:`splitserve.transfer.ucx`, real processes over UCX (ucxx), zero staging copies.
+* ``"ucx"``    -- :mod:`splitserve.transfer.ucx`, real processes over UCX (ucxx), zero staging copies (but for a partial last block's used rows).
 * ``"inproc"`` -- :mod:`splitserve.transfer.inproc`, sender and receiver in one process (unit tests).
 
 Backends are imported lazily, so importing this module never initialises UCX.
