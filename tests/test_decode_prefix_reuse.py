@@ -34,7 +34,7 @@ def pulled(pair) -> int:
 
 @pytest.mark.parametrize("n", LENGTHS)
 async def test_turn_two_pulls_only_the_uncached_blocks_and_decodes_the_same_tokens(pair, lm, n):
-    nbytes = pair.d_engine.layout.block_nbytes
+    per_token = pair.d_engine.layout.block_nbytes // B  # KV bytes of one token (all layers, K and V)
     direct = pair.store is None or pair.prefill.store.transfer_mode == "direct"
     prompt = prompt_of(lm, n)
     ref = await reference(pair.p_engine, prompt)  # the prefill engine has no prefix cache: a cold colocated run
@@ -43,7 +43,7 @@ async def test_turn_two_pulls_only_the_uncached_blocks_and_decodes_the_same_toke
     assert tokens == ref and not run.kv_recomputed
     assert pair.decode.num_prefix_reused_blocks == 0
     if direct:
-        assert pulled(pair) - before == -(-n // B) * nbytes  # turn 1: the whole prompt
+        assert pulled(pair) - before == n * per_token  # turn 1: the whole prompt, its partial last block's used rows only
     # turn 2: the conversation so far + a new user message
     prompt2 = prompt + tokens + prompt_of(lm, 9)
     ref2 = await reference(pair.p_engine, prompt2)
@@ -53,7 +53,7 @@ async def test_turn_two_pulls_only_the_uncached_blocks_and_decodes_the_same_toke
     assert tokens2 == ref2 and not run.kv_recomputed
     assert pair.decode.num_prefix_reused_blocks == reused and (reused > 0 or n == 1)
     if direct:
-        assert pulled(pair) - before == (-(-len(prompt2) // B) - reused) * nbytes  # only the uncached suffix's blocks
+        assert pulled(pair) - before == (len(prompt2) - reused * B) * per_token  # only the tokens beyond the cached blocks
     else:
         assert pulled(pair) == 0  # store transfer mode: nothing pulled from the prefill worker
 

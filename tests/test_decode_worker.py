@@ -141,10 +141,10 @@ async def test_a_caller_cancelled_while_waiting_for_blocks_or_the_pull_frees_the
     gate, fetched = asyncio.Event(), asyncio.Event()
     fetch = pair.decode.receiver.fetch
 
-    async def slow_fetch(*args):
+    async def slow_fetch(*args, **kwargs):
         fetched.set()
         await gate.wait()
-        return await fetch(*args)
+        return await fetch(*args, **kwargs)
 
     pair.decode.receiver.fetch = slow_fetch
     task = asyncio.create_task(tokens_of(pair.decode.decode(DecodeJob("r6", prompt, GREEDY, res.first_token_id, res.handle))))

@@ -202,7 +202,7 @@ async def test_metrics_of_every_service_parse_and_move(traced):
     assert moved("router", "splitserve:generation_tokens_total", **m) == 10
     assert moved("router", "splitserve:disagg_decisions_total", decision="remote_prefill") == 1
     cfg = load_model(default_model_path()).config
-    kv_bytes = -(-prompt_tokens // BLOCK) * cfg.num_layers * 2 * BLOCK * cfg.num_kv_heads * cfg.head_dim * 4
+    kv_bytes = prompt_tokens * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4  # the used token rows only
     assert moved("prefill-0", "splitserve:kv_transfer_bytes_total", direction="send", transport="ucx") == kv_bytes
     assert moved("decode-0", "splitserve:kv_transfer_bytes_total", direction="receive", transport="ucx") == kv_bytes
     assert moved("decode-0", "splitserve:kv_transfer_seconds_count", direction="receive", transport="ucx") == 1
@@ -222,7 +222,7 @@ async def test_metrics_of_every_service_parse_and_move(traced):
         after = {name: metric_values(url) for name, url in urls.items()}
     assert moved("kvstore-master", "splitserve:kv_store_puts_completed_total") == full_blocks
     assert value(after["kvstore-master"], "splitserve:kv_store_capacity_bytes") > 0
-    assert moved("kvstore-node-0", "splitserve:kv_store_node_ucx_bytes_written_total") == full_blocks * kv_bytes // -(-prompt_tokens // BLOCK)
+    assert moved("kvstore-node-0", "splitserve:kv_store_node_ucx_bytes_written_total") == full_blocks * BLOCK * (kv_bytes // prompt_tokens)
     assert any(n.startswith("splitserve:kv_store_client_") for n in names["prefill-0"])
 
 

@@ -2,7 +2,8 @@
 
 Object bytes are the block's bytes in the cache layout ``[num_layers, 2, block_size, num_kv_heads,
 head_dim]`` (``KVLayout.block_nbytes``); UCX reads and writes them straight from and into the cache's
-preallocated memory. Every method is failure-tolerant in the way prefix caching needs: a lookup or read
+preallocated memory. A request's partial last block (``tail_rows`` tokens, store transfer mode) is one object
+of its used token rows only, packed (:mod:`splitserve.transfer.partial_block`): ``tail_rows`` tokens' bytes. Every method is failure-tolerant in the way prefix caching needs: a lookup or read
 that fails costs recomputation, never a wrong token (each block read is checked against its read lease
 and checksum before it is used).
 """
@@ -22,6 +23,7 @@ from splitserve.kvstore.client import KVStoreClient, ObjectLocation, PutReport, 
 from splitserve.transfer.kv_cache import byte_view
 from splitserve.telemetry.store import observe_store_op, record_lookup
 from splitserve.transfer.layout import KVLayout
+from splitserve.transfer.partial_block import PartialBlock, pack_rows, unpack_rows
 
 logger = logging.getLogger("splitserve.kvstore")
 
@@ -46,6 +48,7 @@ class KVBlockStore:
         self.hasher = BlockHasher(layout, salt)
         self._kv = kv_cache  # keeps the memory behind the views alive
         self._bytes = byte_view(kv_cache).numpy()
+        self._partial = PartialBlock(layout)
         self.counters: Counter[str] = Counter()
 
     def keys(self, token_ids: list[int]) -> list[str]:
@@ -105,20 +108,29 @@ class KVBlockStore:
             await asyncio.sleep(pause)
             pause = min(pause * 2, 0.02)
 
-    async def load(self, locations: list[ObjectLocation], block_ids: list[int], timeout_s: float | None = None) -> int:
+    async def load(self, locations: list[ObjectLocation], block_ids: list[int], timeout_s: float | None = None,
+                   tail_rows: int = 0) -> int:
         """Read ``locations[i]`` into block ``block_ids[i]`` within ``timeout_s`` (None: the client's I/O
         timeout per node request); returns how many *leading* blocks were loaded and verified (blocks
-        after the first failure must be recomputed)."""
+        after the first failure must be recomputed). ``tail_rows`` > 0: the last location is a partial block's
+        packed rows ``[0, tail_rows)`` (see :meth:`finish_save`), unpacked into its block once verified."""
         if not locations:
             return 0
+        dsts = [self.block(b) for b in block_ids[: len(locations)]]
+        staging = None
+        if tail_rows:
+            self._partial.check_rows(tail_rows)
+            staging = dsts[-1] = np.empty(self._partial.nbytes(tail_rows), dtype=np.uint8)
         with observe_store_op("get", len(locations)) as obs:
-            errors = await self.client.read(locations, [self.block(b) for b in block_ids], timeout_s)
+            errors = await self.client.read(locations, dsts, timeout_s)
             n = 0
             for err in errors:
                 if err is not None:
                     break
                 n += 1
-            obs.nbytes = n * self.block_nbytes
+            if staging is not None and n == len(locations):
+                unpack_rows(self._partial, self._bytes, block_ids[n - 1], tail_rows, staging)
+            obs.nbytes = sum(d.nbytes for d in dsts[:n])
         for loc, err in zip(locations[n:], errors[n:]):
             if err is None:
                 continue
@@ -130,15 +142,26 @@ class KVBlockStore:
         return n
 
     # ---------------------------------------------------------------- writes
-    async def begin_save(self, keys: list[str]) -> list[PutTicket | PdError]:
-        """PutStart for ``keys`` (per key a ticket or the typed error); raises if the master is unreachable."""
-        return await self.client.put_start(keys, self.block_nbytes)
+    async def begin_save(self, keys: list[str], tail_rows: int = 0) -> list[PutTicket | PdError]:
+        """PutStart for ``keys`` (per key a ticket or the typed error); raises if the master is unreachable.
+        ``tail_rows`` > 0: the last key is a partial block's, an object of ``tail_rows`` tokens' bytes."""
+        if not tail_rows:
+            return await self.client.put_start(keys, self.block_nbytes)
+        self._partial.check_rows(tail_rows)
+        full = await self.client.put_start(keys[:-1], self.block_nbytes) if len(keys) > 1 else []
+        return full + await self.client.put_start(keys[-1:], self._partial.nbytes(tail_rows))
 
-    async def finish_save(self, keys: list[str], tickets: list[PutTicket | PdError], block_ids: list[int]) -> PutReport:
-        """Write the blocks of the open tickets and publish them (PutEnd), revoking what failed."""
+    async def finish_save(self, keys: list[str], tickets: list[PutTicket | PdError], block_ids: list[int],
+                          tail_rows: int = 0) -> PutReport:
+        """Write the blocks of the open tickets and publish them (PutEnd), revoking what failed. ``tail_rows``
+        > 0 (as given to :meth:`begin_save`): the last block's rows ``[0, tail_rows)`` are written, packed."""
+        srcs = [self.block(b) for b in block_ids]
+        if tail_rows:
+            srcs[-1] = pack_rows(self._partial, self._bytes, block_ids[-1], tail_rows)
         with observe_store_op("put", len(keys)) as obs:
-            report = await self.client.finish_put(keys, tickets, [self.block(b) for b in block_ids])
-            obs.nbytes = len(report.written) * self.block_nbytes
+            report = await self.client.finish_put(keys, tickets, srcs)
+            written = set(report.written)
+            obs.nbytes = sum(src.nbytes for key, src in zip(keys, srcs) if key in written)
         self._count(report)
         return report
 

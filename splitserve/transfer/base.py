@@ -7,7 +7,7 @@ sender's ``endpoint``); KV bytes never go over gRPC.
 
 Backends (``kind``):
 
-* ``"ucx"``    -- :mod:`splitserve.transfer.ucx`, real processes over UCX (ucxx), zero staging copies.
+* ``"ucx"``    -- :mod:`splitserve.transfer.ucx`, real processes over UCX (ucxx), zero staging copies (but for a partial last block's used rows).
 * ``"inproc"`` -- :mod:`splitserve.transfer.inproc`, sender and receiver in one process (unit tests).
 
 Backends are imported lazily, so importing this module never initialises UCX.
@@ -133,10 +133,17 @@ class KVReceiver(ABC):
         src_block_ids: list[int],
         dst_block_ids: list[int],
         timeout_s: float,
+        last_block_tokens: int = 0,
     ) -> int:
         """Copy remote block ``src_block_ids[i]`` into local block ``dst_block_ids[i]`` for all i.
 
-        Returns the number of bytes moved. Never waits past ``timeout_s`` (plus a bounded cancel step).
+        ``last_block_tokens``: tokens the last block holds (a prompt's ``len % block_size``); in
+        ``(0, block_size)`` only its token rows ``[0, last_block_tokens)`` move (for every layer, K and V) and
+        the rest of the destination block is left as it was; 0 or ``block_size``: the whole block. Out of
+        range: InvalidRequest.
+
+        Returns the number of bytes moved (whole blocks times ``block_nbytes`` plus the partial block's
+        ``last_block_tokens * block_nbytes // block_size``). Never waits past ``timeout_s`` (plus a bounded cancel step).
         Cancel-safe: when it raises (including ``asyncio.CancelledError``) no receive into the destination
         blocks is left posted, so the caller may free them at once.
         """

@@ -23,10 +23,10 @@ from splitserve.transfer.common import (
     format_endpoint,
     layout_digest,
     parse_endpoint,
-    segments_checksum,
 )
 from splitserve.transfer.kv_cache import byte_view, check_cache
 from splitserve.transfer.layout import KVLayout
+from splitserve.transfer.partial_block import PartialBlock, pack_rows, split_tail, transfer_checksum, unpack_rows
 from splitserve.transfer.push import PushResult, PushTable
 from splitserve.telemetry.transfer import start_send
 
@@ -107,6 +107,7 @@ class InprocKVReceiver(KVReceiver):
         self._verify = bool(verify_checksum)
         self._bytes = byte_view(kv_cache)
         self._block_nbytes = layout.block_nbytes
+        self._partial = PartialBlock(layout)
         self._digest = layout_digest(layout)
         self._started = False
         self._closed = False
@@ -152,6 +153,7 @@ class InprocKVReceiver(KVReceiver):
         src_block_ids: list[int],
         dst_block_ids: list[int],
         timeout_s: float,
+        last_block_tokens: int = 0,
     ) -> int:
         if self._closed:
             raise KVTransferError("receiver is closed")
@@ -160,11 +162,15 @@ class InprocKVReceiver(KVReceiver):
         segments = compute_segments(src_block_ids, dst_block_ids, self._num_blocks)
         if not segments:
             return 0
+        tail = 0 if last_block_tokens == self._partial.block_size else last_block_tokens
+        if tail:
+            self._partial.check_rows(tail)
+            segments = split_tail(segments, tail)
         if timeout_s <= 0:
             raise InvalidRequest("timeout_s must be positive")
         parse_endpoint(endpoint)
         try:
-            nbytes = self._copy(endpoint, transfer_id, segments)
+            nbytes = self._copy(endpoint, transfer_id, segments, tail)
         except BaseException:
             self.stats.transfers_failed += 1
             raise
@@ -173,7 +179,9 @@ class InprocKVReceiver(KVReceiver):
         await asyncio.sleep(0)
         return nbytes
 
-    def _copy(self, endpoint: str, transfer_id: str, segments) -> int:
+    def _copy(self, endpoint: str, transfer_id: str, segments, tail: int) -> int:
+        """Copy ``segments`` from the sender's pool; ``tail`` > 0: of the last segment (one block) only rows
+        [0, tail), packed and unpacked like the UCX path."""
         with _registry_lock:
             sender = _registry.get(endpoint)
         if sender is None or sender._closed:  # same module
@@ -187,20 +195,28 @@ class InprocKVReceiver(KVReceiver):
             raise TransferRefused(f"KV sender {endpoint} refused transfer {transfer_id!r}: {detail}")
         bn = self._block_nbytes
         src_bytes = sender._bytes
-        expected = segments_checksum(src_bytes.numpy(), [(s, n) for s, _d, n in segments], bn) if self._verify else None
+        src_np, dst_np = src_bytes.numpy(), self._bytes.numpy()
+        full = segments[:-1] if tail else segments
+        expected = None
+        if self._verify:
+            packed = pack_rows(self._partial, src_np, segments[-1][0], tail) if tail else None
+            expected = transfer_checksum(src_np, [(s, n) for s, _d, n in full], bn, packed)
+        staging = None
         flipped = segments[0][0] * bn if sender._corrupt_sends else None  # fault injection
         ok = False
         obs = start_send("inproc", transfer_id, sum(n for _s, _d, n in segments))  # child of the caller's span
         try:
             if flipped is not None:
                 src_bytes[flipped] ^= 0xFF
-            for s, d, n in segments:
+            for s, d, n in full:
                 self._bytes[d * bn : (d + n) * bn].copy_(src_bytes[s * bn : (s + n) * bn])
+            if tail:
+                staging = pack_rows(self._partial, src_np, segments[-1][0], tail)
             ok = True
         finally:
             if flipped is not None:
                 src_bytes[flipped] ^= 0xFF
-            nbytes = sum(n for _s, _d, n in segments) * bn
+            nbytes = sum(n for _s, _d, n in full) * bn + self._partial.nbytes(tail)
             if ok:
                 sender.stats.bytes_sent += nbytes
                 sender.stats.transfers_ok += 1
@@ -209,8 +225,10 @@ class InprocKVReceiver(KVReceiver):
             obs.finish(ok, nbytes, None if ok else "copy failed")
             call_on_done(reg, ok)
         if expected is not None:
-            got = segments_checksum(self._bytes.numpy(), [(d, n) for _s, d, n in segments], bn)
+            got = transfer_checksum(dst_np, [(d, n) for _s, d, n in full], bn, staging)
             if got != expected:
                 self.stats.checksum_failures += 1
                 raise KVChecksumMismatch(f"KV transfer {transfer_id!r} from {endpoint} is corrupted")
+        if staging is not None:
+            unpack_rows(self._partial, dst_np, segments[-1][1], tail, staging)
         return nbytes

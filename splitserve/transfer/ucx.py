@@ -24,7 +24,9 @@ Protocol (one pull = one ``fetch``)
 Copies: **zero staging copies** in splitserve on either side -- UCX reads straight from the sender's KV
 pool and writes straight into the receiver's KV pool, through numpy views of the two preallocated
 tensors (no bytes objects, no pickling, no intermediate buffer; the only Python-level allocations are the
-request header and a 1 KiB status buffer). What the transport itself does is UCX's choice: on one host,
+request header and a 1 KiB status buffer). The one exception is a prompt's partial last block: only its used
+token rows move, ``2 * num_layers`` strided runs that the sender packs into one staging buffer and the receiver
+unpacks (:mod:`splitserve.transfer.partial_block`; less than one block per transfer). What the transport itself does is UCX's choice: on one host,
 with ``UCX_MM_ERROR_HANDLING=y``, ``UCX_PROTO_INFO=y`` shows "rendezvous fragmented copy-in copy-out" over
 sysv shared memory for messages >= 8 KiB -- the sender's progress thread copies fragments of the pool
 slice into a shared segment while the receiver's copies them out into its pool (2 memcpy by UCX,

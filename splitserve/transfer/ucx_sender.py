@@ -24,10 +24,10 @@ from splitserve.transfer.common import (
     call_on_done,
     format_endpoint,
     layout_digest,
-    segments_checksum,
 )
 from splitserve.transfer.kv_cache import byte_view, check_cache
 from splitserve.transfer.layout import KVLayout
+from splitserve.transfer.partial_block import PartialBlock, pack_rows, transfer_checksum
 from splitserve.transfer.push import PushTable
 from splitserve.transfer.ucx_listener import UcxServer
 from splitserve.transfer.ucx_push import UcxSubscriber
@@ -59,6 +59,7 @@ class UcxKVSender(KVSender):
         self._block_nbytes = layout.block_nbytes
         self._digest = layout_digest(layout)
         self._layout = layout
+        self._partial = PartialBlock(layout)
         self._host = advertise_host(host)
         self._send_timeout_s = float(send_timeout_s)
         self._table = TransferTable(self._num_blocks)
@@ -109,6 +110,8 @@ class UcxKVSender(KVSender):
             status, detail = Status.CLOSING, "sender is closing"
         elif req.block_nbytes != self._block_nbytes or req.layout_digest != self._digest:
             status, detail = Status.LAYOUT_MISMATCH, self._layout.describe()
+        elif req.tail_rows >= self._partial.block_size:
+            status, detail = Status.INVALID, f"partial tail of {req.tail_rows} rows in blocks of {self._partial.block_size}"
         else:
             # Serves only blocks registered under this id (registered ids are range-checked).
             status, reg, detail = self._table.claim(req.transfer_id, req.runs)
@@ -116,8 +119,11 @@ class UcxKVSender(KVSender):
         bn = self._block_nbytes
         nbytes = 0
         checksum = None
+        tail = req.tail_rows
+        full_runs = req.runs[:-1] if tail else req.runs
         if req.flags & wire.FLAG_CHECKSUM and status is Status.OK:
-            checksum = segments_checksum(self._bytes, req.runs, bn)
+            packed = pack_rows(self._partial, self._bytes, req.runs[-1][0], tail) if tail else None
+            checksum = transfer_checksum(self._bytes, full_runs, bn, packed)
         corrupted = self._corrupt(req.runs) if status is Status.OK and self._corrupt_sends else None
         posted: Posted | None = None
         error: BaseException | None = None
@@ -125,7 +131,10 @@ class UcxKVSender(KVSender):
             posted = Posted(ep)
             posted.send(wire.encode_status(status, detail, checksum), req.tag_base)
             for i, (start, count) in enumerate(req.runs):
-                if status is Status.OK:
+                if status is Status.OK and tail and i == len(full_runs):  # the used rows of the partial last block
+                    posted.send(pack_rows(self._partial, self._bytes, start, tail), req.tag_base + 1 + i)
+                    nbytes += self._partial.nbytes(tail)
+                elif status is Status.OK:
                     posted.send(self._bytes[start * bn : (start + count) * bn], req.tag_base + 1 + i)
                     nbytes += count * bn
                 else:  # completes the receiver's posted receive without writing into its blocks

@@ -3,7 +3,7 @@
 FETCH request (receiver -> sender, one UCX active message)::
 
     magic "SKV1" | kind u16 (=1) | flags u16 | tag_base u64 | block_nbytes u64 | layout_digest u64
-    | nseg u32 | tid_len u16 | reserved u16 | transfer_id (utf-8, tid_len bytes) | nseg x (src_start u32, count u32)
+    | nseg u32 | tid_len u16 | tail_rows u16 | transfer_id (utf-8, tid_len bytes) | nseg x (src_start u32, count u32)
     [ | ctx_len u16 | trace context (ascii, ctx_len bytes) ]     -- only with flag FLAG_TRACE_CONTEXT
 
 The trace context is the receiver's W3C ``traceparent`` (see :mod:`splitserve.telemetry.propagation`),
@@ -12,13 +12,18 @@ tracing off the message is byte-for-byte the original format.
 
 ``flags`` bit 1 (:data:`FLAG_CHECKSUM`): the receiver asks for a checksum of the data it will receive.
 
+``flags`` bit 2 (:data:`FLAG_PARTIAL_TAIL`): the last segment is one block (count 1) of which only token rows
+``[0, tail_rows)`` move, packed (:mod:`splitserve.transfer.partial_block`): ``tail_rows`` tokens' KV bytes
+instead of a whole block. Without the flag ``tail_rows`` is 0 and every segment moves whole blocks.
+
 STATUS reply (sender -> receiver, one tag message on ``tag_base``)::
 
     magic "SKS1" | status u32 | detail_len u32 | detail (utf-8)
     magic "SKS2" | status u32 | detail_len u32 | checksum u64 | detail     (when FLAG_CHECKSUM was set)
 
-``checksum``: xxh3-64 over the bytes of every segment, in segment order, computed by the sender from
-its KV blocks before posting them (:func:`splitserve.transfer.common.segments_checksum`).
+``checksum``: xxh3-64 over the bytes of every segment as they travel (a partial tail: its packed rows), in
+segment order, computed by the sender from its KV blocks before posting them
+(:func:`splitserve.transfer.partial_block.transfer_checksum`).
 
 Data: segment ``i`` travels as one tag message on ``tag_base + 1 + i``.
 """
@@ -38,6 +43,7 @@ STATUS_CHECKSUM_MAGIC = b"SKS2"
 KIND_FETCH = 1
 FLAG_TRACE_CONTEXT = 0x1
 FLAG_CHECKSUM = 0x2
+FLAG_PARTIAL_TAIL = 0x4
 MAX_TRACE_CONTEXT_BYTES = 512
 
 _FETCH_HDR = struct.Struct("<4sHHQQQIHH")
@@ -65,7 +71,8 @@ class FetchRequest:
     transfer_id: str
     runs: list[tuple[int, int]]  # (src_start, count) per segment, in tag order
     trace_context: str = ""  # W3C traceparent of the receiver's span, "" for none
-    flags: int = 0  # FLAG_CHECKSUM (FLAG_TRACE_CONTEXT is set by encode_fetch from trace_context)
+    flags: int = 0  # FLAG_CHECKSUM (FLAG_TRACE_CONTEXT and FLAG_PARTIAL_TAIL are set by encode_fetch)
+    tail_rows: int = 0  # > 0: the last run is one block of which rows [0, tail_rows) move (FLAG_PARTIAL_TAIL)
 
 
 def encode_fetch(req: FetchRequest) -> bytearray:
@@ -78,6 +85,12 @@ def encode_fetch(req: FetchRequest) -> bytearray:
     if len(ctx) > MAX_TRACE_CONTEXT_BYTES:
         ctx = b""  # never fail a transfer over tracing
     flags = FLAG_TRACE_CONTEXT if ctx else 0
+    if not 0 <= req.tail_rows < 1 << 16:
+        raise WireError("tail_rows out of range")
+    if req.tail_rows:
+        if not req.runs or req.runs[-1][1] != 1:
+            raise WireError("a partial tail must be the last run, of one block")
+        flags |= FLAG_PARTIAL_TAIL
     flat = array("I")
     for start, count in req.runs:
         flat.append(start)
@@ -87,7 +100,7 @@ def encode_fetch(req: FetchRequest) -> bytearray:
     out = bytearray(
         _FETCH_HDR.pack(
             FETCH_MAGIC, KIND_FETCH, flags | (req.flags & FLAG_CHECKSUM), req.tag_base, req.block_nbytes, req.layout_digest, len(req.runs),
-            len(tid), 0
+            len(tid), req.tail_rows
         )
     )
     out += tid
@@ -101,7 +114,7 @@ def decode_fetch(buf) -> FetchRequest:
     mv = memoryview(buf).cast("B")
     if len(mv) < _FETCH_HDR.size:
         raise WireError("short fetch header")
-    magic, kind, flags, tag_base, block_nbytes, digest, nseg, tid_len, _r = _FETCH_HDR.unpack_from(mv, 0)
+    magic, kind, flags, tag_base, block_nbytes, digest, nseg, tid_len, tail_rows = _FETCH_HDR.unpack_from(mv, 0)
     if magic != FETCH_MAGIC or kind != KIND_FETCH:
         raise WireError("not a fetch request")
     if nseg > MAX_SEGMENTS or tid_len > MAX_TID_BYTES:
@@ -131,7 +144,11 @@ def decode_fetch(buf) -> FetchRequest:
     if sys.byteorder != "little":  # pragma: no cover
         flat.byteswap()
     runs = [(flat[2 * i], flat[2 * i + 1]) for i in range(nseg)]
-    return FetchRequest(tag_base, block_nbytes, digest, tid, runs, ctx, flags & FLAG_CHECKSUM)
+    if not flags & FLAG_PARTIAL_TAIL:
+        tail_rows = 0
+    elif tail_rows == 0 or not runs or runs[-1][1] != 1:
+        raise WireError("bad partial tail")
+    return FetchRequest(tag_base, block_nbytes, digest, tid, runs, ctx, flags & FLAG_CHECKSUM, tail_rows)
 
 
 def encode_status(status: Status, detail: str = "", checksum: int | None = None) -> bytearray:

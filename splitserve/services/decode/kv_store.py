@@ -51,7 +51,8 @@ class DecodeStore:
         hits = await self.blocks.wait_prefix(keys, self.wait_s if timeout_s is None else min(self.wait_s, timeout_s))
         remaining = None if deadline is None else max(0.0, deadline - loop.time())
         dst = blocks.block_ids[skip_blocks : skip_blocks + len(hits)]
-        n = await self.blocks.load(hits, dst, remaining) if hits else 0
+        tail_rows = len(prompt) % self.block_size if tail and len(hits) == len(keys) else 0  # packed used rows
+        n = await self.blocks.load(hits, dst, remaining, tail_rows) if hits else 0
         if tail:  # best effort; one the prefill worker is still writing is left to eviction
             self._spawn_remove(tail)
         computed = min((skip_blocks + n) * self.block_size, len(prompt))

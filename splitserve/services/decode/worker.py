@@ -242,7 +242,9 @@ class DecodeWorker:
             run.kv_not_pulled = True
             return None
         with observe_receive(self.transport, h.endpoint, h.transfer_id, len(src)) as obs:
-            obs.nbytes = await self.receiver.fetch(h.endpoint, h.transfer_id, src, dst, timeout)
+            # the prompt's last block moves only its used token rows
+            last = len(job.prompt_token_ids) % self.engine.layout.block_size
+            obs.nbytes = await self.receiver.fetch(h.endpoint, h.transfer_id, src, dst, timeout, last_block_tokens=last)
         return None
 
     async def _recompute(self, job: DecodeJob) -> OwnedBlocks:

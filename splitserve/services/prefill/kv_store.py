@@ -92,7 +92,8 @@ class PrefillStore:
         first_new = min(-(-cached_tokens // self.block_size), len(keys))  # blocks that came from the store
         keys = keys[first_new:]
         via_store = self.transfer_mode == "store"
-        if via_store and len(prompt) % self.block_size:
+        tail_rows = len(prompt) % self.block_size if via_store else 0  # its used token rows only are written
+        if tail_rows:
             keys.append(tail_key(transfer_id))  # the partial last block, blocks[len(full keys)]
         if not keys:
             return via_store
@@ -102,7 +103,7 @@ class PrefillStore:
             return False
         async with write:  # freed here unless the background write takes it
             try:
-                tickets = await self.blocks.begin_save(keys)
+                tickets = await self.blocks.begin_save(keys, tail_rows)
             except PdError as exc:
                 logger.warning("KV store unavailable for transfer %s, falling back to a direct pull: %s", transfer_id, exc)
                 return False
@@ -111,7 +112,7 @@ class PrefillStore:
                 return False
             if tail_key(transfer_id) in keys and not isinstance(tickets[-1], PutTicket):
                 logger.warning("KV store refused the tail block of %s (%s); the decode worker recomputes it", transfer_id, tickets[-1])
-            self._spawn(self.blocks.finish_save(keys, tickets, write.block_ids), write.move())
+            self._spawn(self.blocks.finish_save(keys, tickets, write.block_ids, tail_rows), write.move())
             return True
 
     def _spawn(self, save, blocks: OwnedBlocks) -> None:
