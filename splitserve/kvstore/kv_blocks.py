@@ -4,8 +4,8 @@ Object bytes are the block's bytes in the cache layout ``[num_layers, 2, block_s
 head_dim]`` (``KVLayout.block_nbytes``); UCX reads and writes them straight from and into the cache's
 preallocated memory. A request's partial last block (``tail_rows`` tokens, store transfer mode) is one object
 of its used token rows only, packed (:mod:`splitserve.transfer.partial_block`): ``tail_rows`` tokens' bytes.
-Every method is failure-tolerant in the way prefix caching needs: a lookup or read that fails costs recomputation, never a wrong token (each block read is checked against its read lease
-and checksum before it is used).
+Every method is failure-tolerant in the way prefix caching needs: a lookup or read that fails
+costs recomputation, never a wrong token (each block read is checked against its read lease and checksum before it is used).
 """
 
 from __future__ import annotations
