@@ -134,6 +134,7 @@ class KVReceiver(ABC):
         dst_block_ids: list[int],
         timeout_s: float,
         last_block_tokens: int = 0,
+        first_block_held: int = 0,
     ) -> int:
         """Copy remote block ``src_block_ids[i]`` into local block ``dst_block_ids[i]`` for all i.
 
@@ -142,8 +143,12 @@ class KVReceiver(ABC):
         the rest of the destination block is left as it was; 0 or ``block_size``: the whole block. Out of
         range: InvalidRequest.
 
-        Returns the number of bytes moved (whole blocks times ``block_nbytes`` plus the partial block's
-        ``last_block_tokens * block_nbytes // block_size``). Never waits past ``timeout_s`` (plus a bounded cancel step).
+        ``first_block_held``: token rows ``[0, first_block_held)`` the first destination block already holds (a
+        partly held block copied from the prefix cache); in ``(0, block_size)`` only its rows from there on move
+        (up to ``last_block_tokens`` when it is also the last block; InvalidRequest when no row is left); 0: all.
+
+        Returns the number of bytes moved (whole blocks times ``block_nbytes`` plus each partial block's moved
+        rows times ``block_nbytes // block_size``). Never waits past ``timeout_s`` (plus a bounded cancel step).
         Cancel-safe: when it raises (including ``asyncio.CancelledError``) no receive into the destination
         blocks is left posted, so the caller may free them at once.
         """

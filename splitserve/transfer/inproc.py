@@ -11,6 +11,7 @@ import asyncio
 import itertools
 import threading
 
+import numpy as np
 import torch
 
 from splitserve.errors import InvalidRequest, KVChecksumMismatch, KVLayoutMismatch, KVTransferError, TransferNotFound
@@ -26,7 +27,7 @@ from splitserve.transfer.common import (
 )
 from splitserve.transfer.kv_cache import byte_view, check_cache
 from splitserve.transfer.layout import KVLayout
-from splitserve.transfer.partial_block import PartialBlock, pack_rows, split_tail, transfer_checksum, unpack_rows
+from splitserve.transfer.partial_block import PartialBlock, pack_rows, parts_checksum, plan_rows, segment_rows, unpack_rows
 from splitserve.transfer.push import PushResult, PushTable
 from splitserve.telemetry.transfer import start_send
 
@@ -154,6 +155,7 @@ class InprocKVReceiver(KVReceiver):
         dst_block_ids: list[int],
         timeout_s: float,
         last_block_tokens: int = 0,
+        first_block_held: int = 0,
     ) -> int:
         if self._closed:
             raise KVTransferError("receiver is closed")
@@ -162,15 +164,12 @@ class InprocKVReceiver(KVReceiver):
         segments = compute_segments(src_block_ids, dst_block_ids, self._num_blocks)
         if not segments:
             return 0
-        tail = 0 if last_block_tokens == self._partial.block_size else last_block_tokens
-        if tail:
-            self._partial.check_rows(tail)
-            segments = split_tail(segments, tail)
+        segments, tail, head = plan_rows(self._partial, segments, last_block_tokens, first_block_held)
         if timeout_s <= 0:
             raise InvalidRequest("timeout_s must be positive")
         parse_endpoint(endpoint)
         try:
-            nbytes = self._copy(endpoint, transfer_id, segments, tail)
+            nbytes = self._copy(endpoint, transfer_id, segments, tail, head)
         except BaseException:
             self.stats.transfers_failed += 1
             raise
@@ -179,9 +178,9 @@ class InprocKVReceiver(KVReceiver):
         await asyncio.sleep(0)
         return nbytes
 
-    def _copy(self, endpoint: str, transfer_id: str, segments, tail: int) -> int:
-        """Copy ``segments`` from the sender's pool; ``tail`` > 0: of the last segment (one block) only rows
-        [0, tail), packed and unpacked like the UCX path."""
+    def _copy(self, endpoint: str, transfer_id: str, segments, tail: int, head: int) -> int:
+        """Copy ``segments`` from the sender's pool; a partial last block (``tail`` > 0: rows [0, tail)) and a partly
+        held first block (``head`` > 0: rows [head, ...)) move packed, like the UCX path."""
         with _registry_lock:
             sender = _registry.get(endpoint)
         if sender is None or sender._closed:  # same module
@@ -196,27 +195,29 @@ class InprocKVReceiver(KVReceiver):
         bn = self._block_nbytes
         src_bytes = sender._bytes
         src_np, dst_np = src_bytes.numpy(), self._bytes.numpy()
-        full = segments[:-1] if tail else segments
-        expected = None
-        if self._verify:
-            packed = pack_rows(self._partial, src_np, segments[-1][0], tail) if tail else None
-            expected = transfer_checksum(src_np, [(s, n) for s, _d, n in full], bn, packed)
-        staging = None
-        flipped = segments[0][0] * bn if sender._corrupt_sends else None  # fault injection
+        rows = [segment_rows(i, len(segments), head, tail, self._partial.block_size) for i in range(len(segments))]
+
+        def parts(pool: np.ndarray, side: int) -> list[np.ndarray]:  # each segment's bytes in order (side 0: src)
+            return [pool[seg[side] * bn : (seg[side] + seg[2]) * bn] if r is None
+                    else pack_rows(self._partial, pool, seg[side], r[1], r[0]) for seg, r in zip(segments, rows)]
+
+        expected = parts_checksum(parts(src_np, 0)) if self._verify else None
+        flipped = segments[0][0] * bn + (self._partial.nbytes(head) if head else 0) if sender._corrupt_sends else None
         ok = False
         obs = start_send("inproc", transfer_id, sum(n for _s, _d, n in segments))  # child of the caller's span
+        staged: list[np.ndarray | None] = []
         try:
-            if flipped is not None:
+            if flipped is not None:  # fault injection: the first byte that moves
                 src_bytes[flipped] ^= 0xFF
-            for s, d, n in full:
-                self._bytes[d * bn : (d + n) * bn].copy_(src_bytes[s * bn : (s + n) * bn])
-            if tail:
-                staging = pack_rows(self._partial, src_np, segments[-1][0], tail)
+            for (s, d, n), r in zip(segments, rows):
+                if r is None:
+                    self._bytes[d * bn : (d + n) * bn].copy_(src_bytes[s * bn : (s + n) * bn])
+                staged.append(None if r is None else pack_rows(self._partial, src_np, s, r[1], r[0]))
             ok = True
         finally:
             if flipped is not None:
                 src_bytes[flipped] ^= 0xFF
-            nbytes = sum(n for _s, _d, n in full) * bn + self._partial.nbytes(tail)
+            nbytes = sum(n * bn if r is None else self._partial.nbytes(r[1] - r[0]) for (_s, _d, n), r in zip(segments, rows))
             if ok:
                 sender.stats.bytes_sent += nbytes
                 sender.stats.transfers_ok += 1
@@ -225,10 +226,12 @@ class InprocKVReceiver(KVReceiver):
             obs.finish(ok, nbytes, None if ok else "copy failed")
             call_on_done(reg, ok)
         if expected is not None:
-            got = transfer_checksum(dst_np, [(d, n) for _s, d, n in full], bn, staging)
+            got = parts_checksum([dst_np[d * bn : (d + n) * bn] if p is None else p
+                                  for (_s, d, n), p in zip(segments, staged)])
             if got != expected:
                 self.stats.checksum_failures += 1
                 raise KVChecksumMismatch(f"KV transfer {transfer_id!r} from {endpoint} is corrupted")
-        if staging is not None:
-            unpack_rows(self._partial, dst_np, segments[-1][1], tail, staging)
+        for (_s, d, _n), r, p in zip(segments, rows, staged):
+            if p is not None:
+                unpack_rows(self._partial, dst_np, d, r[1], p, r[0])
         return nbytes

@@ -26,7 +26,7 @@ from splitserve.transfer.common import (
 )
 from splitserve.transfer.kv_cache import byte_view, check_cache
 from splitserve.transfer.layout import KVLayout
-from splitserve.transfer.partial_block import PartialBlock, split_tail, transfer_checksum, unpack_rows
+from splitserve.transfer.partial_block import PartialBlock, parts_checksum, plan_rows, segment_rows, unpack_rows
 from splitserve.transfer.push import PushResult
 from splitserve.transfer.ucx_endpoints import EndpointCache
 from splitserve.transfer.ucx_push import receive_push
@@ -96,6 +96,7 @@ class UcxKVReceiver(KVReceiver):
         dst_block_ids: list[int],
         timeout_s: float,
         last_block_tokens: int = 0,
+        first_block_held: int = 0,
     ) -> int:
         if self._endpoints.closed:
             raise KVTransferError("receiver is closed")
@@ -104,10 +105,7 @@ class UcxKVReceiver(KVReceiver):
         segments = compute_segments(src_block_ids, dst_block_ids, self._num_blocks)
         if not segments:
             return 0
-        tail = 0 if last_block_tokens == self._partial.block_size else last_block_tokens
-        if tail:
-            self._partial.check_rows(tail)
-            segments = split_tail(segments, tail)
+        segments, tail, head = plan_rows(self._partial, segments, last_block_tokens, first_block_held)
         if len(segments) > wire.MAX_SEGMENTS:
             raise InvalidRequest("too many segments in one fetch")
         if timeout_s <= 0:
@@ -116,7 +114,7 @@ class UcxKVReceiver(KVReceiver):
         deadline = asyncio.get_running_loop().time() + timeout_s
         try:
             ep = await self._endpoints.get(endpoint, deadline)
-            nbytes = await self._fetch_on(ep, endpoint, transfer_id, segments, deadline, tail)
+            nbytes = await self._fetch_on(ep, endpoint, transfer_id, segments, deadline, tail, head)
         except BaseException:
             self.stats.transfers_failed += 1
             raise
@@ -124,20 +122,22 @@ class UcxKVReceiver(KVReceiver):
         self.stats.transfers_ok += 1
         return nbytes
 
-    async def _fetch_on(self, ep, key: str, transfer_id: str, segments, deadline: float, tail: int) -> int:
-        """One FETCH on ``ep``; ``tail`` > 0: the last segment is one block of which rows [0, tail) move, received
-        into a staging buffer and unpacked into its block once the sender's OK (and checksum) arrived."""
+    async def _fetch_on(self, ep, key: str, transfer_id: str, segments, deadline: float, tail: int, head: int) -> int:
+        """One FETCH on ``ep``; ``tail`` > 0: the last segment is one block of which rows [0, tail) move; ``head`` > 0:
+        the first segment is one block of which rows [head, ...) move. Packed rows are received into staging
+        buffers and unpacked into their blocks once the sender's OK (and checksum) arrived."""
         loop = asyncio.get_running_loop()
-        bn = self._block_nbytes
+        bn, bs = self._block_nbytes, self._partial.block_size
         tag = _next_tag_base()
         status_buf = np.zeros(wire.STATUS_BUF_NBYTES, dtype=np.uint8)
-        staging = np.empty(self._partial.nbytes(tail), dtype=np.uint8) if tail else None
-        full = segments[:-1] if tail else segments
+        rows = [segment_rows(i, len(segments), head, tail, bs) for i in range(len(segments))]
+        parts = [self._bytes[d * bn : (d + n) * bn] if r is None else np.empty(self._partial.nbytes(r[1] - r[0]), np.uint8)
+                 for (_s, d, n), r in zip(segments, rows)]  # where each segment lands, in tag order
         flags = wire.FLAG_CHECKSUM if self._verify else 0
         request = wire.encode_fetch(
             wire.FetchRequest(
                 tag, bn, self._digest, transfer_id, [(s, n) for s, _d, n in segments], current_trace_context(), flags,
-                tail,
+                tail, head,
             )
         )
         try:
@@ -158,10 +158,8 @@ class UcxKVReceiver(KVReceiver):
             # Every receive is posted before the request goes out, with no await in between: UCX writes the
             # segments straight into the pool (zero copy), and there is no half-posted state to undo.
             posted.recv(status_buf, tag)
-            for i, (_s, d, n) in enumerate(full):
-                posted.recv(self._bytes[d * bn : (d + n) * bn], tag + 1 + i)
-            if staging is not None:
-                posted.recv(staging, tag + len(segments))
+            for i, part in enumerate(parts):
+                posted.recv(part, tag + 1 + i)
             posted.am_send(request)
             # One wait for everything (each separate wake-up costs a loop hop): the STATUS and, on OK, the
             # data; otherwise the empty messages that complete the posted receives.
@@ -179,15 +177,16 @@ class UcxKVReceiver(KVReceiver):
             if status is not Status.OK:
                 raise KVTransferError(f"KV sender {key} refused transfer {transfer_id!r}: {status.name} {detail}")
             if self._verify:
-                self._check(key, transfer_id, full, staging, checksum)
-            if staging is not None:
-                unpack_rows(self._partial, self._bytes, segments[-1][1], tail, staging)
-            return sum(n for _s, _d, n in full) * bn + self._partial.nbytes(tail)
+                self._check(key, transfer_id, parts, checksum)
+            for (_s, d, _n), r, part in zip(segments, rows, parts):
+                if r is not None:
+                    unpack_rows(self._partial, self._bytes, d, r[1], part, r[0])
+            return sum(p.size for p in parts)
 
-    def _check(self, key: str, transfer_id: str, full, staging: np.ndarray | None, expected: int | None) -> None:
+    def _check(self, key: str, transfer_id: str, parts: list[np.ndarray], expected: int | None) -> None:
         if expected is None:
             raise KVTransferError(f"KV sender {key} sent no checksum for transfer {transfer_id!r}")
-        got = transfer_checksum(self._bytes, [(d, n) for _s, d, n in full], self._block_nbytes, staging)
+        got = parts_checksum(parts)
         if got != expected:
             self.stats.checksum_failures += 1
             raise KVChecksumMismatch(

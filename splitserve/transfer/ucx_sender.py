@@ -27,7 +27,7 @@ from splitserve.transfer.common import (
 )
 from splitserve.transfer.kv_cache import byte_view, check_cache
 from splitserve.transfer.layout import KVLayout
-from splitserve.transfer.partial_block import PartialBlock, pack_rows, transfer_checksum
+from splitserve.transfer.partial_block import PartialBlock, pack_rows, parts_checksum, segment_rows
 from splitserve.transfer.push import PushTable
 from splitserve.transfer.ucx_listener import UcxServer
 from splitserve.transfer.ucx_push import UcxSubscriber
@@ -110,35 +110,39 @@ class UcxKVSender(KVSender):
             status, detail = Status.CLOSING, "sender is closing"
         elif req.block_nbytes != self._block_nbytes or req.layout_digest != self._digest:
             status, detail = Status.LAYOUT_MISMATCH, self._layout.describe()
-        elif req.tail_rows >= self._partial.block_size:
-            status, detail = Status.INVALID, f"partial tail of {req.tail_rows} rows in blocks of {self._partial.block_size}"
+        elif req.tail_rows >= self._partial.block_size or req.head_rows >= self._partial.block_size:
+            status, detail = Status.INVALID, (f"partial rows [{req.head_rows}, {req.tail_rows}) in blocks of "
+                                              f"{self._partial.block_size}")
         else:
             # Serves only blocks registered under this id (registered ids are range-checked).
             status, reg, detail = self._table.claim(req.transfer_id, req.runs)
         # Post the STATUS and every segment now (no loop hop before the bytes start moving).
-        bn = self._block_nbytes
+        bn, bs = self._block_nbytes, self._partial.block_size
         nbytes = 0
         checksum = None
-        tail = req.tail_rows
-        full_runs = req.runs[:-1] if tail else req.runs
-        if req.flags & wire.FLAG_CHECKSUM and status is Status.OK:
-            packed = pack_rows(self._partial, self._bytes, req.runs[-1][0], tail) if tail else None
-            checksum = transfer_checksum(self._bytes, full_runs, bn, packed)
-        corrupted = self._corrupt(req.runs) if status is Status.OK and self._corrupt_sends else None
+        parts = []  # the bytes of each segment, in tag order (a partly held first / partial last block: packed rows)
+        if status is Status.OK:
+            for i, (start, count) in enumerate(req.runs):
+                rows = segment_rows(i, len(req.runs), req.head_rows, req.tail_rows, bs)
+                parts.append(self._bytes[start * bn : (start + count) * bn] if rows is None
+                             else pack_rows(self._partial, self._bytes, start, rows[1], rows[0]))
+            nbytes = sum(p.size for p in parts)
+            if req.flags & wire.FLAG_CHECKSUM:
+                checksum = parts_checksum(parts)
+        corrupted = None
+        if status is Status.OK and self._corrupt_sends:  # fault injection, after the checksum
+            if segment_rows(0, len(req.runs), req.head_rows, req.tail_rows, bs) is not None:  # packed: a private copy
+                parts[0][0] ^= 0xFF
+            else:
+                corrupted = self._corrupt(req.runs)
         posted: Posted | None = None
         error: BaseException | None = None
         try:
             posted = Posted(ep)
             posted.send(wire.encode_status(status, detail, checksum), req.tag_base)
-            for i, (start, count) in enumerate(req.runs):
-                if status is Status.OK and tail and i == len(full_runs):  # the used rows of the partial last block
-                    posted.send(pack_rows(self._partial, self._bytes, start, tail), req.tag_base + 1 + i)
-                    nbytes += self._partial.nbytes(tail)
-                elif status is Status.OK:
-                    posted.send(self._bytes[start * bn : (start + count) * bn], req.tag_base + 1 + i)
-                    nbytes += count * bn
-                else:  # completes the receiver's posted receive without writing into its blocks
-                    posted.send(_EMPTY, req.tag_base + 1 + i)
+            for i in range(len(req.runs)):
+                # not OK: an empty message completes the receiver's posted receive without writing into its blocks
+                posted.send(parts[i] if parts else _EMPTY, req.tag_base + 1 + i)
         except Exception as exc:  # endpoint closed or failed while posting
             error = exc
         refusal = None if status is Status.OK else f"{status.name}: {detail}"

@@ -4,6 +4,7 @@ FETCH request (receiver -> sender, one UCX active message)::
 
     magic "SKV1" | kind u16 (=1) | flags u16 | tag_base u64 | block_nbytes u64 | layout_digest u64
     | nseg u32 | tid_len u16 | tail_rows u16 | transfer_id (utf-8, tid_len bytes) | nseg x (src_start u32, count u32)
+    [ | head_rows u16 ]                                            -- only with flag FLAG_PARTIAL_HEAD
     [ | ctx_len u16 | trace context (ascii, ctx_len bytes) ]     -- only with flag FLAG_TRACE_CONTEXT
 
 The trace context is the receiver's W3C ``traceparent`` (see :mod:`splitserve.telemetry.propagation`),
@@ -16,14 +17,18 @@ tracing off the message is byte-for-byte the original format.
 ``[0, tail_rows)`` move, packed (:mod:`splitserve.transfer.partial_block`): ``tail_rows`` tokens' KV bytes
 instead of a whole block. Without the flag ``tail_rows`` is 0 and every segment moves whole blocks.
 
+``flags`` bit 3 (:data:`FLAG_PARTIAL_HEAD`): the first segment is one block (count 1) of which the receiver already
+holds token rows ``[0, head_rows)``: only rows ``[head_rows, block_size)`` move, packed (``[head_rows, tail_rows)``
+when that block is also the partial last one). Without the flag the message has no ``head_rows`` field.
+
 STATUS reply (sender -> receiver, one tag message on ``tag_base``)::
 
     magic "SKS1" | status u32 | detail_len u32 | detail (utf-8)
     magic "SKS2" | status u32 | detail_len u32 | checksum u64 | detail     (when FLAG_CHECKSUM was set)
 
-``checksum``: xxh3-64 over the bytes of every segment as they travel (a partial tail: its packed rows), in
+``checksum``: xxh3-64 over the bytes of every segment as they travel (a partial block: its packed rows), in
 segment order, computed by the sender from its KV blocks before posting them
-(:func:`splitserve.transfer.partial_block.transfer_checksum`).
+(:func:`splitserve.transfer.partial_block.parts_checksum`).
 
 Data: segment ``i`` travels as one tag message on ``tag_base + 1 + i``.
 """
@@ -44,12 +49,14 @@ KIND_FETCH = 1
 FLAG_TRACE_CONTEXT = 0x1
 FLAG_CHECKSUM = 0x2
 FLAG_PARTIAL_TAIL = 0x4
+FLAG_PARTIAL_HEAD = 0x8
 MAX_TRACE_CONTEXT_BYTES = 512
 
 _FETCH_HDR = struct.Struct("<4sHHQQQIHH")
 _STATUS_HDR = struct.Struct("<4sII")
 _CHECKSUM = struct.Struct("<Q")
 _CTX_LEN = struct.Struct("<H")
+_HEAD_ROWS = struct.Struct("<H")
 
 #: receive buffer for a STATUS message; details are truncated to fit
 STATUS_BUF_NBYTES = 1024
@@ -73,6 +80,7 @@ class FetchRequest:
     trace_context: str = ""  # W3C traceparent of the receiver's span, "" for none
     flags: int = 0  # FLAG_CHECKSUM (FLAG_TRACE_CONTEXT and FLAG_PARTIAL_TAIL are set by encode_fetch)
     tail_rows: int = 0  # > 0: the last run is one block of which rows [0, tail_rows) move (FLAG_PARTIAL_TAIL)
+    head_rows: int = 0  # > 0: the first run is one block of which rows [head_rows, ...) move (FLAG_PARTIAL_HEAD)
 
 
 def encode_fetch(req: FetchRequest) -> bytearray:
@@ -91,6 +99,11 @@ def encode_fetch(req: FetchRequest) -> bytearray:
         if not req.runs or req.runs[-1][1] != 1:
             raise WireError("a partial tail must be the last run, of one block")
         flags |= FLAG_PARTIAL_TAIL
+    if not 0 <= req.head_rows < 1 << 16:
+        raise WireError("head_rows out of range")
+    if req.head_rows:
+        _check_head(req.runs, req.head_rows, req.tail_rows)
+        flags |= FLAG_PARTIAL_HEAD
     flat = array("I")
     for start, count in req.runs:
         flat.append(start)
@@ -105,6 +118,8 @@ def encode_fetch(req: FetchRequest) -> bytearray:
     )
     out += tid
     out += flat.tobytes()
+    if req.head_rows:
+        out += _HEAD_ROWS.pack(req.head_rows)
     if ctx:
         out += _CTX_LEN.pack(len(ctx)) + ctx
     return out
@@ -121,6 +136,13 @@ def decode_fetch(buf) -> FetchRequest:
         raise WireError("fetch request too large")
     off = _FETCH_HDR.size
     end = off + tid_len + 8 * nseg
+    runs_end = end
+    head_rows = 0
+    if flags & FLAG_PARTIAL_HEAD:
+        if len(mv) < end + _HEAD_ROWS.size:
+            raise WireError("fetch request length mismatch")
+        (head_rows,) = _HEAD_ROWS.unpack_from(mv, end)
+        end += _HEAD_ROWS.size
     ctx = ""
     if flags & FLAG_TRACE_CONTEXT:
         if len(mv) < end + _CTX_LEN.size:
@@ -140,7 +162,7 @@ def decode_fetch(buf) -> FetchRequest:
         raise WireError("transfer id is not utf-8") from None
     off += tid_len
     flat = array("I")
-    flat.frombytes(bytes(mv[off:end]))
+    flat.frombytes(bytes(mv[off:runs_end]))
     if sys.byteorder != "little":  # pragma: no cover
         flat.byteswap()
     runs = [(flat[2 * i], flat[2 * i + 1]) for i in range(nseg)]
@@ -148,7 +170,17 @@ def decode_fetch(buf) -> FetchRequest:
         tail_rows = 0
     elif tail_rows == 0 or not runs or runs[-1][1] != 1:
         raise WireError("bad partial tail")
-    return FetchRequest(tag_base, block_nbytes, digest, tid, runs, ctx, flags & FLAG_CHECKSUM, tail_rows)
+    if flags & FLAG_PARTIAL_HEAD:
+        _check_head(runs, head_rows, tail_rows)
+    return FetchRequest(tag_base, block_nbytes, digest, tid, runs, ctx, flags & FLAG_CHECKSUM, tail_rows, head_rows)
+
+
+def _check_head(runs: list[tuple[int, int]], head_rows: int, tail_rows: int) -> None:
+    """A partly held first block: its own run of one block, with rows left to move (WireError otherwise)."""
+    if head_rows == 0 or not runs or runs[0][1] != 1:
+        raise WireError("a partly held first block must be the first run, of one block")
+    if len(runs) == 1 and tail_rows and head_rows >= tail_rows:
+        raise WireError("a partly held block with no rows left to move")
 
 
 def encode_status(status: Status, detail: str = "", checksum: int | None = None) -> bytearray:
