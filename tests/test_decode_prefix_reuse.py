@@ -47,13 +47,15 @@ async def test_turn_two_pulls_only_the_uncached_blocks_and_decodes_the_same_toke
     # turn 2: the conversation so far + a new user message
     prompt2 = prompt + tokens + prompt_of(lm, 9)
     ref2 = await reference(pair.p_engine, prompt2)
-    reused = min((n + len(tokens) - 1) // B, len(prompt2) // B)  # every full block whose KV decode computed or pulled
+    held = n + len(tokens) - 1  # tokens whose KV decode computed or pulled (the last sampled token has none)
+    reused = min(held // B, len(prompt2) // B)  # every full block of them
     before = pulled(pair)
     _, run, tokens2 = await pair.prefill_then_decode("t2", prompt2)
     assert tokens2 == ref2 and not run.kv_recomputed
     assert pair.decode.num_prefix_reused_blocks == reused and (reused > 0 or n == 1)
-    if direct:
-        assert pulled(pair) - before == (len(prompt2) - reused * B) * per_token  # only the tokens beyond the cached blocks
+    if direct:  # the partly held block after them is copied from the cache: exactly the new tokens' KV moves
+        assert pair.decode.num_prefix_reused_tokens == held - reused * B > 0
+        assert pulled(pair) - before == (len(prompt2) - held) * per_token
     else:
         assert pulled(pair) == 0  # store transfer mode: nothing pulled from the prefill worker
 

@@ -111,7 +111,8 @@ async def test_kv_bytes_cross_ucx_not_grpc(cluster, story_ids):
     lm = load_model(default_model_path()).config
     block_nbytes = lm.num_layers * 2 * BLOCK * lm.num_kv_heads * lm.head_dim * 4
     reused = d1["kv_prefix_reused_blocks"] - d0["kv_prefix_reused_blocks"]  # held by decode's prefix cache: not pulled
-    kv_bytes = (200 - reused * BLOCK) * block_nbytes // BLOCK  # a partial last block moves only its used token rows
+    rows = d1["kv_prefix_reused_partial_tokens"] - d0["kv_prefix_reused_partial_tokens"]  # a partly held block's rows
+    kv_bytes = (200 - reused * BLOCK - rows) * block_nbytes // BLOCK  # a partial last block moves only its used rows
     assert p1["ucx_bytes_sent"] - p0["ucx_bytes_sent"] == kv_bytes
     assert d1["ucx_bytes_received"] - d0["ucx_bytes_received"] == kv_bytes
     grpc_bytes = (p1["grpc_bytes_sent"] - p0["grpc_bytes_sent"]) + (d1["grpc_bytes_received"] - d0["grpc_bytes_received"])

@@ -61,12 +61,13 @@ def test_later_turns_pull_only_the_delta_or_skip_prefill_with_the_same_tokens(se
     bytes1 = received(cluster)
     token_nbytes = bytes1 / len(turn1)  # a partial last block moves only its used token rows
     assert token_nbytes == int(token_nbytes) > 0 and int(token_nbytes) % 4 == 0
-    # turn 2: more new tokens than SKIP: prefilled remotely; decode pulls only the blocks beyond its cached history
+    # turn 2: more new tokens than SKIP: prefilled remotely; decode pulls only the KV beyond its cached history (its
+    # full blocks are shared, the rows of the partly held block after them copied from its cache)
     turn2 = turn1 + out1 + list(range(300, 340))
     out2, _ = asyncio.run(complete(grpc, turn2))
     assert out2 == asyncio.run(complete(ref.grpc_address, turn2))[0]
-    held = (len(turn1) + len(out1) - 1) // B
-    assert received(cluster) - bytes1 == (len(turn2) - held * B) * token_nbytes  # the tokens beyond the held blocks
+    held = len(turn1) + len(out1) - 1  # tokens whose KV decode has (the last sampled token has none)
+    assert received(cluster) - bytes1 == (len(turn2) - held) * token_nbytes  # exactly the new tokens' KV
     # turn 3: a few new tokens: the decode worker prefills them over its prefix cache; no prefill worker, no pull
     skipped = asyncio.run(router_stats(grpc)).get("prefill_skipped", 0)
     turn3 = turn2 + out2 + [500, 501, 502]

@@ -347,6 +347,32 @@ class AsyncEngine:
             raise
         return OwnedBlocks(block_ids, self.core)
 
+    async def copy_held_rows(self, token_ids: list[int], num_full_blocks: int, dst_block_id: int) -> int:
+        """Copy-on-write of a partial block held by the prefix cache: when one is keyed after the full blocks of
+        ``token_ids[: num_full_blocks * block_size]`` with tokens that the rest of ``token_ids`` starts with (r of
+        them, 0 < r < block_size), copy its token rows ``[0, r)`` into ``dst_block_id`` (a block the caller owns
+        and nobody else writes) and return r; otherwise 0 (also without a prefix cache). The cached block stays as
+        it was."""
+        bm = self.block_manager
+        if not isinstance(bm, PrefixCachingBlockManager):
+            return 0
+        bs = bm.block_size
+        full = token_ids[: num_full_blocks * bs]
+        parent = bm.keys(full)[-1] if num_full_blocks else bm.root  # hashed here, off the engine thread
+        following = token_ids[num_full_blocks * bs : (num_full_blocks + 1) * bs]
+
+        def copy() -> int:
+            held = bm.match_partial(parent, following)
+            if held is None:
+                return 0
+            try:
+                self.core.runner.copy_block_rows(held[0], dst_block_id, held[1])
+            finally:
+                bm.free([held[0]])
+            return held[1]
+
+        return await asyncio.wrap_future(self.core.call(copy))
+
     def _free_if_allocated(self, fut) -> None:
         if not fut.cancelled() and fut.exception() is None:
             self.core.free(fut.result())

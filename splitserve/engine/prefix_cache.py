@@ -19,6 +19,14 @@ list is short; blocks in use are never evicted. ``num_free`` counts free + cache
 Invariant relied on: the K/V of a keyed block never changes while it has its key. Only full, computed blocks get
 keys; the engine never writes into a full computed block (it writes at positions >= ``num_computed_tokens``; a
 prompt that is entirely cached still computes its last block: see :meth:`PrefixCachingBlockManager.reuse_prefix`).
+
+Partial blocks (a multi-turn chat's history ends inside a block), with ``keep_partial_blocks`` (a decode worker sets
+it: its delta transfer reuses them): when a request finishes, the block after its last
+full one, holding ``r`` computed tokens (0 < r < block_size; the last sampled token has no KV), is keyed too, by
+``(parent, tokens)``: the chained hash of the full blocks before it (the root for none) and the tuple of its ``r``
+token ids. It is cached and evicted like a full block. Nobody writes into it again: no sequence owns it once its
+request finished, and :meth:`PrefixCachingBlockManager.match_partial` only lends it to be copied (copy-on-write: the
+taker copies rows ``[0, r)`` into a fresh block of its own and frees the reference).
 """
 
 from __future__ import annotations
@@ -41,6 +49,8 @@ class PrefixCachingBlockManager(BlockManager):
         block_size: tokens per KV block.
         root: the 16-byte root hash of the KV layout namespace (``kvstore.block_hash.namespace_root``).
 
+    ``keep_partial_blocks``: key finished requests' partial blocks too (off by default; see the module docstring).
+
     Counters: ``num_queried_blocks`` / ``num_hit_blocks`` (full prompt blocks looked up / found by ``match``),
     ``num_evicted`` (cached blocks reused for other tokens).
     """
@@ -52,8 +62,10 @@ class PrefixCachingBlockManager(BlockManager):
         self.block_size = block_size
         self.root = root
         self._key_of: dict[int, bytes] = {}  # block id -> block hash (in use or cached)
-        self._block_of: dict[bytes, int] = {}  # block hash -> block id
+        self._block_of: dict[bytes | tuple, int] = {}  # block hash, or (parent hash, tokens) of a partial block -> id
+        self._partials: dict[bytes, set[tuple[int, ...]]] = {}  # parent hash -> token tuples of keyed partial blocks
         self._cached: OrderedDict[int, None] = OrderedDict()  # ref count 0, keyed: least recently used first
+        self.keep_partial_blocks = False
         self.num_queried_blocks = 0
         self.num_hit_blocks = 0
         self.num_evicted = 0
@@ -78,7 +90,7 @@ class PrefixCachingBlockManager(BlockManager):
             raise CapacityExhausted(f"need {n} KV blocks, {self.num_free} free of {self.num_blocks}")
         for _ in range(n - len(self._free)):
             block_id, _ = self._cached.popitem(last=False)
-            del self._block_of[self._key_of.pop(block_id)]
+            self._drop_key(block_id)
             bisect.insort(self._free, block_id)
             self.num_evicted += 1
         return super().allocate(n)
@@ -98,8 +110,18 @@ class PrefixCachingBlockManager(BlockManager):
         used, cached = set(self._ref_counts), set(self._cached)
         free = set(self._free)
         if (len(free) + len(used) + len(cached) != self.num_blocks or used & cached or free & (used | cached)
-                or not cached <= set(self._key_of) or len(self._key_of) != len(self._block_of)):
+                or not cached <= set(self._key_of) or len(self._key_of) != len(self._block_of)
+                or sum(map(len, self._partials.values())) != sum(isinstance(k, tuple) for k in self._block_of)):
             raise ValueError("prefix-caching block manager integrity violated")
+
+    def _drop_key(self, block_id: int) -> None:
+        key = self._key_of.pop(block_id)
+        del self._block_of[key]
+        if isinstance(key, tuple):  # a partial block's
+            tuples = self._partials[key[0]]
+            tuples.discard(key[1])
+            if not tuples:
+                del self._partials[key[0]]
 
     # --- keys --------------------------------------------------------------------------------------------
     def cache(self, block_ids: Seq[int], keys: Seq[bytes]) -> None:
@@ -129,14 +151,48 @@ class PrefixCachingBlockManager(BlockManager):
         taken = []
         for key in keys[: self.num_matching(keys)]:
             block_id = self._block_of[key]
-            if block_id in self._cached:
-                del self._cached[block_id]
-                self._ref_counts[block_id] = 1
-            else:
-                self._ref_counts[block_id] += 1
+            self._take(block_id)
             taken.append(block_id)
         self.num_hit_blocks += len(taken)
         return taken
+
+    def _take(self, block_id: int) -> None:
+        """One more reference on a keyed block (a cached one moves back to in use)."""
+        if block_id in self._cached:
+            del self._cached[block_id]
+            self._ref_counts[block_id] = 1
+        else:
+            self._ref_counts[block_id] += 1
+
+    def match_partial(self, parent: bytes, token_ids: Seq[int]) -> tuple[int, int] | None:
+        """The keyed partial block after the full blocks hashed ``parent`` whose tokens are the longest run that
+        ``token_ids`` starts with; takes one reference on it (the caller copies its rows and frees it) and returns
+        ``(block_id, r)``, ``r`` its tokens. None when no partial block matches."""
+        best = max((t for t in self._partials.get(parent, ()) if tuple(token_ids[: len(t)]) == t), key=len, default=None)
+        if best is None:
+            return None
+        block_id = self._block_of[(parent, best)]
+        self._take(block_id)
+        return block_id, len(best)
+
+    def cache_partial(self, seq: Sequence) -> None:
+        """Key a finishing ``seq``'s partial block (after its full computed blocks, see the module docstring): call
+        before freeing its blocks. Nothing happens without ``keep_partial_blocks``, when it has none, or when
+        another reference or a key is on it."""
+        bs = self.block_size
+        full, r = divmod(seq.num_computed_tokens, bs)
+        if not self.keep_partial_blocks or not r or len(seq.block_table) <= full:
+            return
+        block_id = seq.block_table[full]
+        if self._ref_counts.get(block_id) != 1 or block_id in self._key_of:
+            return
+        parent = self._seq_keys(seq, full)[-1] if full else self.root
+        key = (parent, tuple(seq.token_ids[full * bs : full * bs + r]))
+        if key in self._block_of:
+            return
+        self._key_of[block_id] = key
+        self._block_of[key] = block_id
+        self._partials.setdefault(parent, set()).add(key[1])
 
     def keys(self, token_ids: Seq[int]) -> list[bytes]:
         """Keys of the full blocks of ``token_ids``."""

@@ -137,6 +137,12 @@ class ModelRunner:
             with torch.inference_mode():
                 self.kv_cache[torch.tensor(dst, dtype=torch.long)] = self.kv_cache[torch.tensor(src, dtype=torch.long)]
 
+    def copy_block_rows(self, src: int, dst: int, num_tokens: int) -> None:
+        """Copy token rows ``[0, num_tokens)`` (every layer's K and V) of KV block ``src`` into block ``dst``:
+        copy-on-write of a partial block held by the prefix cache."""
+        with torch.inference_mode():
+            self.kv_cache[dst, :, :, :num_tokens] = self.kv_cache[src, :, :, :num_tokens]
+
 
 class StepBuffers:
     """Preallocated int64 step inputs ``[capacity]`` (input_ids, positions, slot_mapping), written through numpy

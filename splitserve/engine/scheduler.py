@@ -233,6 +233,8 @@ class Scheduler:
                 self.running.append(seq)
             if reason is not None:
                 self.running.remove(seq)
+                if self.prefix_cache is not None:  # its partly filled last block stays reusable
+                    self.prefix_cache.cache_partial(seq)
                 self._release(seq, reason)
                 finished.append(seq)
         return finished

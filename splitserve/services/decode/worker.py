@@ -40,6 +40,7 @@ from typing import AsyncIterator, Callable
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.core import RequestOutput
 from splitserve.engine.owned_blocks import OwnedBlocks
+from splitserve.engine.prefix_cache import PrefixCachingBlockManager
 from splitserve.engine.sampling import SamplingParams
 from splitserve.errors import InvalidRequest, KVTransferError, TransferNotFound
 from splitserve.services.decode.kv_store import DecodeStore
@@ -108,6 +109,8 @@ class DecodeWorker:
         if transfer_failure not in ("fallback", "error"):
             raise ValueError(f"transfer_failure must be 'fallback' or 'error', got {transfer_failure!r}")
         self.engine = engine
+        if isinstance(engine.block_manager, PrefixCachingBlockManager):  # (set before any request runs)
+            engine.block_manager.keep_partial_blocks = True  # a later turn copies them instead of pulling their rows
         self.receiver = receiver
         self.transport = transport
         self.transfer_timeout_s = transfer_timeout_s
@@ -121,6 +124,7 @@ class DecodeWorker:
         self.num_local_prefills = 0
         self.num_kv_fallbacks = 0
         self.num_prefix_reused_blocks = 0
+        self.num_prefix_reused_tokens = 0  # tokens of partly held blocks copied from the prefix cache, not transferred
 
     def decode(self, job: DecodeJob) -> DecodeRun:
         """The request's outputs (see the module docstring). Iterating raises InvalidRequest,
@@ -147,10 +151,10 @@ class DecodeWorker:
                         yield out
                 return
             self.engine.check_decode(job.prompt_token_ids, job.params, list(job.first_tokens))  # refuse before taking blocks
-            blocks, reused = await self._reserve(job)
+            blocks, reused, held_rows = await self._reserve(job)
             async with blocks:
                 try:
-                    computed = await self._fill(run, blocks, reused)
+                    computed = await self._fill(run, blocks, reused, held_rows)
                 except (KVTransferError, TransferNotFound) as exc:  # incl. timeout, unreachable, checksum mismatch
                     if self.transfer_failure == "error":
                         raise
@@ -218,17 +222,27 @@ class DecodeWorker:
         if job.params.max_tokens <= 1:
             raise InvalidRequest("max_tokens <= 1: the request finished at prefill; nothing to decode")
 
-    async def _reserve(self, job: DecodeJob) -> tuple[OwnedBlocks, int]:
-        """Step 2: blocks for the whole prompt, the first ``m`` shared from the prefix cache; returns (blocks, m)."""
+    async def _reserve(self, job: DecodeJob) -> tuple[OwnedBlocks, int, int]:
+        """Step 2: blocks for the whole prompt, the first ``m`` shared from the prefix cache, and when the cache holds
+        the next block's first ``r`` tokens (a previous turn's partial block) their rows copied into block ``m``;
+        returns (blocks, m, r)."""
         async with await self.engine.match_prefix(job.prompt_token_ids) as held:  # freed if the allocation fails
             rest = await self.engine.allocate_blocks(len(job.handle.block_ids) - len(held))
             reused = len(held)
             self.num_prefix_reused_blocks += reused
-            return OwnedBlocks(held.take() + rest.take(), self.engine.core), reused
+            blocks = OwnedBlocks(held.take() + rest.take(), self.engine.core)
+        held_rows = 0
+        if reused < len(blocks.block_ids) and not job.handle.via_store:
+            async with blocks:  # freed if cancelled meanwhile
+                held_rows = await self.engine.copy_held_rows(job.prompt_token_ids, reused, blocks.block_ids[reused])
+                blocks = blocks.move()
+            self.num_prefix_reused_tokens += held_rows
+        return blocks, reused, held_rows
 
-    async def _fill(self, run: DecodeRun, blocks: OwnedBlocks, reused: int) -> int | None:
-        """Step 3: put the prompt's KV into ``blocks`` after the first ``reused`` (already filled); returns how many
-        leading prompt tokens it covers (None: all)."""
+    async def _fill(self, run: DecodeRun, blocks: OwnedBlocks, reused: int, held_rows: int = 0) -> int | None:
+        """Step 3: put the prompt's KV into ``blocks`` after the first ``reused`` (already filled) and the first
+        ``held_rows`` token rows of the next one (copied from the prefix cache); returns how many leading prompt
+        tokens it covers (None: all)."""
         job = run.job
         h = job.handle
         t = self.transfer_timeout_s
@@ -238,13 +252,15 @@ class DecodeWorker:
                 return reused * self.engine.layout.block_size
             return await self.store.load_prompt(h, job.prompt_token_ids, blocks, timeout, skip_blocks=reused)
         src, dst = list(h.block_ids)[reused:], blocks.block_ids[reused:]
-        if not src:
+        bs = self.engine.layout.block_size
+        if not src or reused * bs + held_rows == len(job.prompt_token_ids):
             run.kv_not_pulled = True
             return None
         with observe_receive(self.transport, h.endpoint, h.transfer_id, len(src)) as obs:
-            # the prompt's last block moves only its used token rows
-            last = len(job.prompt_token_ids) % self.engine.layout.block_size
-            obs.nbytes = await self.receiver.fetch(h.endpoint, h.transfer_id, src, dst, timeout, last_block_tokens=last)
+            # the prompt's last block moves only its used token rows, a partly held first block only its missing ones
+            last = len(job.prompt_token_ids) % bs
+            obs.nbytes = await self.receiver.fetch(h.endpoint, h.transfer_id, src, dst, timeout, last_block_tokens=last,
+                                                   first_block_held=held_rows)
         return None
 
     async def _recompute(self, job: DecodeJob) -> OwnedBlocks:
@@ -259,7 +275,7 @@ class DecodeWorker:
         counters = dict(
             requests=self.num_requests, streams_open=self.streams_open, local_prefills=self.num_local_prefills,
             kv_transfer_fallbacks=self.num_kv_fallbacks, kv_checksum_failures=s.checksum_failures,
-            kv_prefix_reused_blocks=self.num_prefix_reused_blocks,
+            kv_prefix_reused_blocks=self.num_prefix_reused_blocks, kv_prefix_reused_partial_tokens=self.num_prefix_reused_tokens,
             ucx_bytes_received=s.bytes_received if self.transport == "ucx" else 0, kv_bytes_received=s.bytes_received,
             kv_transfers_ok=s.transfers_ok, kv_transfers_failed=s.transfers_failed, kv_pushes_received=self.num_pushes,
         )
