@@ -172,8 +172,8 @@ def report(a, results, block_nbytes: int, per_token: float) -> None:
     ratio = sum(r[2] for r in later["delta"]) / sum(r[3] * per_token for r in later["delta"])
     blocks = sum(r[2] for r in later["delta"]) / block_nbytes
     print(f"\nturns 2..{a.turns}: delta moved {ratio:.2f}x the new tokens' KV bytes ({blocks / len(later['delta']):.1f} blocks "
-          f"per turn for {statistics.mean(r[3] for r in later['delta']):.0f} new tokens: the held tokens of the partly held block before the new "
-          f"tokens move again; a partial last block moves only its used token rows); pull moved "
+          f"per turn for {statistics.mean(r[3] for r in later['delta']):.0f} new tokens: the partly held block before the new "
+          f"tokens moves only its missing rows, a partial last block only its used ones); pull moved "
           f"{sum(r[2] for r in later['pull']) / sum(r[3] * per_token for r in later['pull']):.2f}x")
     p50 = {n: (med(r[0] for r in later[n]) * 1000, med(r[1] for r in later[n]) * 1000) for n in later}
     for n in ("delta", "held"):
