@@ -164,3 +164,22 @@ async def test_ucx_pull_moves_only_missing_rows(verify):
     finally:
         await receiver.close()
         await sender.close()
+
+
+@pytest.mark.slow
+@pytest.mark.asyncio(loop_scope="module")
+async def test_ucx_corrupted_held_block_is_detected():
+    src = allocate_kv_cache(LAYOUT, 4)
+    fill_pattern(src, salt=SALT)
+    sender = create_sender("ucx", src, LAYOUT, host="127.0.0.1", corrupt_sends=True)
+    receiver = create_receiver("ucx", allocate_kv_cache(LAYOUT, 4), LAYOUT, verify_checksum=True)
+    await sender.start()
+    await receiver.start()
+    try:
+        sender.register("bad", [2, 3], lambda t, ok: None)
+        with pytest.raises(KVChecksumMismatch):
+            await receiver.fetch(sender.endpoint, "bad", [2, 3], [0, 1], 10.0, first_block_held=3)
+        assert receiver.stats.checksum_failures == 1
+    finally:
+        await receiver.close()
+        await sender.close()
