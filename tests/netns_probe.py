@@ -23,7 +23,24 @@ async def _stats(address: str, stub_cls) -> dict:
     return dict(resp.counters)
 
 
+async def _in_rotation(http_base: str, timeout_s: float = 60.0) -> None:
+    """Until the router lists every worker as up: before that it may prefill on the decode worker (no UCX bytes)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    async with httpx.AsyncClient(base_url=http_base, timeout=5) as http:
+        while True:
+            try:
+                view = (await http.get("/v1/workers")).json()["workers"]
+                if view and all(w.get("state") == "up" for w in view):
+                    return
+            except (httpx.HTTPError, ValueError, KeyError, TypeError):
+                pass
+            if asyncio.get_running_loop().time() > deadline:
+                raise TimeoutError(f"workers not all up in the router after {timeout_s} s")
+            await asyncio.sleep(0.2)
+
+
 async def main(router_grpc: str, http_base: str, prefill: str, decode: str) -> dict:
+    await _in_rotation(http_base)
     before = await _stats(prefill, prefill_pb2_grpc.PrefillServiceStub), await _stats(decode, decode_pb2_grpc.DecodeServiceStub)
     ids, text = [], ""
     async with RouterClient(router_grpc) as client:
