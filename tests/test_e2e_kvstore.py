@@ -174,10 +174,20 @@ async def test_master_never_moves_kv_bytes(store_cluster, pool):
     assert m["grpc_bytes_received"] + m["grpc_bytes_sent"] < moved / 10
 
 
-async def test_read_outliving_its_lease_is_recomputed(store_cluster, colocated, pool):
-    cluster, _, router = store_cluster
+async def test_read_outliving_its_lease_is_recomputed(own_store_cluster, colocated, pool):
+    """A cluster of its own: the stopped nodes may be marked as failed on the prefill workers, which would change
+    what later tests find cached. Both prefill workers first write to the store, so each holds its connections to the
+    nodes: the read then outlives its lease (a first connection to a stopped node would time out instead; a CI run in
+    random order failed on that)."""
+    cluster, _, router = own_store_cluster
     prefix = pool[12:60]  # 3 full blocks
     await both(router, colocated, prefix)
+    for start in range(60, 140, 16):  # other prompts until both prefill workers have written
+        if all(r.get("kvstore_bytes_written", 0) > 0 for r in prefill_stats(cluster)):
+            break
+        await asyncio.gather(*(both(router, colocated, pool[s:s + 40]) for s in (start, start + 3)))
+        wait_for_writes(cluster)
+    assert all(r.get("kvstore_bytes_written", 0) > 0 for r in prefill_stats(cluster))
     wait_for_writes(cluster)
     before = prefill_stats(cluster)
     nodes = [c.proc for c in cluster.children if c.name.startswith("kvstore-node")]
