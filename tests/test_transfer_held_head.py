@@ -11,11 +11,10 @@ import torch
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
 from splitserve.errors import InvalidRequest, KVChecksumMismatch
-from splitserve.transfer import apply_ucx_env_defaults, create_receiver, create_sender, wire
-from splitserve.transfer.kv_cache import allocate_kv_cache
+from splitserve.transfer import apply_ucx_env_defaults, wire
 from splitserve.transfer.layout import KVLayout
 from splitserve.transfer.partial_block import segment_rows, split_head
-from splitserve.transfer.testing import block_bytes, expected_block, fill_pattern
+from splitserve.transfer.testing import block_bytes, expected_block, transfer_pair
 
 apply_ucx_env_defaults()
 
@@ -80,16 +79,8 @@ def test_wire_carries_head_rows():
 
 @pytest.fixture
 async def inproc_pair():
-    src = allocate_kv_cache(LAYOUT, NUM_BLOCKS)
-    fill_pattern(src, salt=SALT)
-    dst = allocate_kv_cache(LAYOUT, NUM_BLOCKS)
-    sender = create_sender("inproc", src, LAYOUT)
-    receiver = create_receiver("inproc", dst, LAYOUT, verify_checksum=True)
-    await sender.start()
-    await receiver.start()
-    yield sender, receiver, src, dst
-    await receiver.close()
-    await sender.close()
+    async with transfer_pair("inproc", LAYOUT, NUM_BLOCKS, SALT, verify_checksum=True) as pair:
+        yield pair
 
 
 @pytest.mark.parametrize("num_tokens,held", CASES)
@@ -116,34 +107,18 @@ async def test_inproc_bad_held_rows_are_refused(inproc_pair):
 
 
 async def test_inproc_corrupted_held_block_is_detected():
-    src = allocate_kv_cache(LAYOUT, 4)
-    fill_pattern(src, salt=SALT)
-    sender = create_sender("inproc", src, LAYOUT, corrupt_sends=True)
-    receiver = create_receiver("inproc", allocate_kv_cache(LAYOUT, 4), LAYOUT, verify_checksum=True)
-    await sender.start()
-    await receiver.start()
-    try:
+    async with transfer_pair("inproc", LAYOUT, 4, SALT, corrupt_sends=True, verify_checksum=True) as (sender, receiver, src, dst):
         sender.register("bad", [2, 3], lambda t, ok: None)
         with pytest.raises(KVChecksumMismatch):
             await receiver.fetch(sender.endpoint, "bad", [2, 3], [0, 1], 5.0, first_block_held=3)
         assert receiver.stats.checksum_failures == 1
-    finally:
-        await receiver.close()
-        await sender.close()
 
 
 @pytest.mark.slow
 @pytest.mark.asyncio(loop_scope="module")
 @pytest.mark.parametrize("verify", [False, True])
 async def test_ucx_pull_moves_only_missing_rows(verify):
-    src = allocate_kv_cache(LAYOUT, NUM_BLOCKS)
-    fill_pattern(src, salt=SALT)
-    dst = allocate_kv_cache(LAYOUT, NUM_BLOCKS)
-    sender = create_sender("ucx", src, LAYOUT, host="127.0.0.1")
-    receiver = create_receiver("ucx", dst, LAYOUT, verify_checksum=verify)
-    await sender.start()
-    await receiver.start()
-    try:
+    async with transfer_pair("ucx", LAYOUT, NUM_BLOCKS, SALT, host="127.0.0.1", verify_checksum=verify) as (sender, receiver, src, dst):
         for i, (num_tokens, held) in enumerate(CASES):
             nblocks = -(-num_tokens // B)
             src_ids, dst_ids = [9, 1, 2, 3][:nblocks], list(range(10, 10 + nblocks))
@@ -161,25 +136,13 @@ async def test_ucx_pull_moves_only_missing_rows(verify):
                 await asyncio.sleep(0.01)
             assert sender.stats.bytes_sent - sent == n
         assert receiver.stats.checksum_failures == 0
-    finally:
-        await receiver.close()
-        await sender.close()
 
 
 @pytest.mark.slow
 @pytest.mark.asyncio(loop_scope="module")
 async def test_ucx_corrupted_held_block_is_detected():
-    src = allocate_kv_cache(LAYOUT, 4)
-    fill_pattern(src, salt=SALT)
-    sender = create_sender("ucx", src, LAYOUT, host="127.0.0.1", corrupt_sends=True)
-    receiver = create_receiver("ucx", allocate_kv_cache(LAYOUT, 4), LAYOUT, verify_checksum=True)
-    await sender.start()
-    await receiver.start()
-    try:
+    async with transfer_pair("ucx", LAYOUT, 4, SALT, host="127.0.0.1", corrupt_sends=True, verify_checksum=True) as (sender, receiver, src, dst):
         sender.register("bad", [2, 3], lambda t, ok: None)
         with pytest.raises(KVChecksumMismatch):
             await receiver.fetch(sender.endpoint, "bad", [2, 3], [0, 1], 10.0, first_block_held=3)
         assert receiver.stats.checksum_failures == 1
-    finally:
-        await receiver.close()
-        await sender.close()

@@ -1,4 +1,5 @@
-"""Helpers for tests and benchmarks of the KV transfer: a KV sender in a separate (spawned) process.
+"""Helpers for tests and benchmarks of the KV transfer: a started sender/receiver pair in this process
+(:func:`transfer_pair`), and a KV sender in a separate (spawned) process.
 
 ``SenderProcess`` starts a child with its own KV pool filled with a known byte pattern (see
 :func:`fill_pattern`) and a started sender, and drives it over a pipe: register / unregister transfers,
@@ -9,16 +10,45 @@ the ``spawn`` context: never fork after UCX initialisation.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import multiprocessing as mp
 import os
 import signal
-from typing import Any
+from typing import Any, AsyncIterator
 
 import torch
 
 from splitserve.transfer.kv_cache import allocate_kv_cache, byte_view
 from splitserve.transfer.layout import KVLayout
+
+# ------------------------------------------------------------------------------------------------ pairs
+
+
+@contextlib.asynccontextmanager
+async def transfer_pair(transport: str, layout: KVLayout, num_blocks: int, salt: int = 0, *, verify_checksum: bool = False,
+                        **sender_options: Any) -> AsyncIterator[tuple[Any, Any, torch.Tensor, torch.Tensor]]:
+    """A started KV sender over a pool of ``num_blocks`` blocks filled with :func:`fill_pattern` (``salt``) and a
+    started receiver over a zeroed pool of as many, both of ``transport``; yields ``(sender, receiver, src, dst)``
+    (the pools: ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``) and closes both on exit.
+    ``sender_options`` go to ``create_sender`` (e.g. ``host``, ``corrupt_sends``)."""
+    from splitserve.transfer.base import create_receiver, create_sender
+
+    src = allocate_kv_cache(layout, num_blocks)
+    fill_pattern(src, salt=salt)
+    dst = allocate_kv_cache(layout, num_blocks)
+    sender = create_sender(transport, src, layout, **sender_options)
+    receiver = create_receiver(transport, dst, layout, verify_checksum=verify_checksum)
+    await sender.start()
+    try:
+        await receiver.start()
+        try:
+            yield sender, receiver, src, dst
+        finally:
+            await receiver.close()
+    finally:
+        await sender.close()
+
 
 # ------------------------------------------------------------------------------------------------ patterns
 
