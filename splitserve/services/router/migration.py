@@ -61,10 +61,15 @@ def choice_sampling(sampling: common_pb2.SamplingParams, index: int) -> common_p
     return msg
 
 
+def suffixed_id(request_id: str, suffix: str) -> str:
+    """``request_id`` + ``suffix``, the base cut so the result stays within what the workers accept: the id of a
+    leg that may run beside another leg of the same request on one worker (the base stays readable in logs)."""
+    return request_id[: MAX_REQUEST_ID_LEN - len(suffix)] + suffix
+
+
 def continuation_id(request_id: str, index: int, move: int) -> str:
     """The request id of choice ``index``'s ``move``-th continuation (unique on a worker; the base stays readable)."""
-    suffix = f"~m{move}c{index}"
-    return request_id[: MAX_REQUEST_ID_LEN - len(suffix)] + suffix
+    return suffixed_id(request_id, f"~m{move}c{index}")
 
 
 def continue_choices(leg: DecodeLeg, err: PdError, reason: str) -> AsyncIterator[TokenEvent]:

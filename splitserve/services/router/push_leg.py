@@ -42,7 +42,7 @@ import grpc
 from pd.v1 import common_pb2, decode_pb2
 
 from splitserve.deadline import hop_timeout
-from splitserve.services.router.migration import MAX_REQUEST_ID_LEN
+from splitserve.services.router.migration import suffixed_id
 from splitserve.services.router.prefill_leg import RemotePrefill, _try_prefill
 from splitserve.services.router.prompt_blocks import PromptBlocks
 from splitserve.services.router.registry import PREFILL, WorkerState
@@ -71,8 +71,7 @@ class PushStart:
 def pull_request_id(request_id: str) -> str:
     """The id of a request's later legs after its push Decode call was dropped (unique on the decode worker while
     that call drains; the base stays readable in logs)."""
-    suffix = "~pull"
-    return request_id[: MAX_REQUEST_ID_LEN - len(suffix)] + suffix
+    return suffixed_id(request_id, "~pull")
 
 
 async def push_leg(router: RoutedBackend, request_id: str, prompt: PromptBlocks | list[int], sampling: common_pb2.SamplingParams,
