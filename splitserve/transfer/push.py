@@ -97,6 +97,7 @@ class PushSource:
         self._attached = asyncio.Event()
         self._src: list[int] | None = None
         self._layers_ready = 0
+        self._send_failed = False  # a group could not be sent: nothing more is sent
         self._sent = 0  # groups sent, in order
         self._obs = None  # the kv.send span, from the subscription on
         self.nbytes = 0
@@ -108,7 +109,7 @@ class PushSource:
         self._loop.call_soon_threadsafe(self._progress, list(src_block_ids[: self.num_blocks]), num_layers)
 
     def _progress(self, src: list[int], num_layers: int) -> None:
-        if self.closed or self._layers_ready < 0:  # closed, or sending failed: nothing more is sent
+        if self.closed or self._send_failed:
             return
         self._src = src
         self._layers_ready = max(self._layers_ready, num_layers)
@@ -135,7 +136,7 @@ class PushSource:
                 self._sent += 1
         except Exception as exc:  # the decode side's endpoint failed: finish reports it (settle is False)
             logger.warning("KV push %s: sending failed: %r", self.bootstrap_id, exc)
-            self._layers_ready = -1  # stop sending
+            self._send_failed = True
 
     async def _subscriber(self) -> Subscriber | None:
         if self._sub is None:
@@ -157,7 +158,7 @@ class PushSource:
                 return False
             if not finished:
                 self._progress(list(src_block_ids[: self.num_blocks]), self.num_layers)
-            ok = self._layers_ready >= 0 and sub.alive()
+            ok = not self._send_failed and sub.alive()
             try:
                 if ok:
                     sub.complete(list(first_token_ids), finished, None if finished else self._src)
