@@ -8,6 +8,7 @@ import math
 import pytest
 
 from splitserve import cli
+from splitserve.launcher import free_port
 from splitserve.env import EnvError, env_bool, env_choice, env_float, env_int, env_str
 from splitserve.services.decode.config import parse as parse_decode
 from splitserve.services.prefill.config import parse as parse_prefill
@@ -118,7 +119,9 @@ def test_a_bad_log_level_is_a_usage_error_too(monkeypatch, capsys) -> None:
     monkeypatch.setenv("PD_LOG_LEVEL", "chatty")
     monkeypatch.setattr("splitserve.launcher.Cluster.start", lambda self: None)
     with pytest.raises(SystemExit) as exit_:
-        cli.main(["up", "--model", "synthetic:llama-tiny", "--no-store"])
+        # free router ports: 8000 and 50050 may be a running cluster's (their check comes first)
+        cli.main(["up", "--model", "synthetic:llama-tiny", "--no-store", "--http-port", str(free_port()),
+                  "--grpc-port", str(free_port())])
     assert exit_.value.code == 2
     assert capsys.readouterr().err.strip() == (
         "splitserve up: error: PD_LOG_LEVEL='CHATTY': expected one of DEBUG, INFO, WARNING, ERROR, CRITICAL (any case)")
