@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
+import os
+
 import torch
 
+from splitserve.engine.args import add_engine_args
+from splitserve.engine.async_engine import set_torch_threads
 from splitserve.engine.runner import PARALLEL_DECODE_MIN_SEQS, ModelRunner
 
 
@@ -26,3 +31,27 @@ def test_small_decode_steps_use_decode_threads():
 def test_decode_threads_zero_or_above_torch_threads_means_torch_threads():
     assert runner(2, 0).threads_for(1, 1) == 2
     assert runner(1, 4).threads_for(1, 1) == 1
+
+
+def set_threads(n: int, pinned: set[int] | None, owns_machine: bool) -> int:
+    before = torch.get_num_threads()
+    try:
+        got = set_torch_threads(n, pinned, owns_machine=owns_machine)
+        assert torch.get_num_threads() == got
+        return got
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_torch_threads_auto_follows_pinned_cpus_then_the_machine():
+    allowed = len(os.sched_getaffinity(0))
+    assert set_threads(3, None, False) == 3 and set_threads(3, {0}, True) == 3  # an explicit count wins
+    assert set_threads(0, {0}, True) == 1 and set_threads(0, {0, 1}, False) == 2  # one per pinned CPU
+    assert set_threads(0, None, True) == allowed  # colocated, unpinned: every CPU it may use
+    assert set_threads(0, None, False) == 1  # a worker beside others, unpinned
+
+
+def test_torch_threads_flag_defaults_to_auto():
+    ap = argparse.ArgumentParser()
+    add_engine_args(ap)
+    assert ap.parse_args(["--model", "m"]).torch_threads == 0

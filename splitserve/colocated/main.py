@@ -39,8 +39,8 @@ logger = logging.getLogger("splitserve.colocated")
 
 async def serve(args: argparse.Namespace) -> None:
     keepalive.configure(keepalive_config(args))
-    pin_process(args.cpus)
-    set_torch_threads(args.torch_threads)
+    threads = set_torch_threads(args.torch_threads, pin_process(args.cpus), owns_machine=True)
+    logger.info("%d torch threads", threads)
     lm = load_model(args.model, dtype=args.dtype)
     engine = AsyncEngine(lm, engine_config(args))
     await engine.start()

@@ -39,8 +39,9 @@ def add_engine_args(ap: argparse.ArgumentParser, *, prefix_caching: bool = True)
                     help="keep finished requests' full KV blocks (LRU, evicted only when no block is free) and skip "
                          f"computing a prompt's cached prefix (vLLM's automatic prefix caching; default here: "
                          f"{'on' if prefix_caching else 'off'})")
-    ap.add_argument("--torch-threads", type=int, default=env_int("PD_TORCH_THREADS", 1),
-                    help="torch threads of prefill (and mixed) steps")
+    ap.add_argument("--torch-threads", type=int, default=env_int("PD_TORCH_THREADS", 0),
+                    help="torch threads of prefill (and mixed) steps; 0: as many as the CPUs of --cpus, else "
+                         "(unpinned) all CPUs this process may use for `colocated`, 1 for a worker beside others")
     ap.add_argument("--decode-threads", type=int, default=env_int("PD_DECODE_THREADS", 1),
                     help="torch threads of decode steps of fewer than 16 sequences (0: as --torch-threads); 1 by default: "
                          "on a 2-core machine a second thread made such steps slower, not faster")

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import os
 from collections.abc import Sequence as Seq
 from typing import AsyncIterator, Callable
 
@@ -405,6 +406,14 @@ class AsyncEngine:
                 "prefix_cache_hit_blocks": bm.num_hit_blocks, "prefix_cache_evicted_blocks": bm.num_evicted}
 
 
-def set_torch_threads(n: int) -> None:
-    if n > 0:
-        torch.set_num_threads(n)
+def set_torch_threads(n: int, pinned: set[int] | None = None, *, owns_machine: bool = False) -> int:
+    """Set torch's intra-op threads (``--torch-threads``) and return how many.
+
+    ``n`` > 0 is taken as given; 0 (auto) means one thread per pinned CPU (``pinned``, from ``--cpus``), or,
+    unpinned, every CPU this process may run on when it ``owns_machine`` (``colocated``) and 1 otherwise (a
+    worker that shares the machine with other workers).
+    """
+    if n <= 0:
+        n = len(pinned) if pinned else (len(os.sched_getaffinity(0)) if owns_machine else 1)
+    torch.set_num_threads(n)
+    return n

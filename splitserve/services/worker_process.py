@@ -36,8 +36,7 @@ logger = logging.getLogger(__name__)
 async def start_engine(config: WorkerConfig) -> tuple[Any, AsyncEngine]:
     """Apply the process settings, load the model and start the engine thread. Returns (model, engine)."""
     keepalive.configure(config.keepalive)
-    pin_process(config.cpus)
-    set_torch_threads(config.torch_threads)
+    set_torch_threads(config.torch_threads, pin_process(config.cpus))
     lm = load_model(config.model, dtype=config.engine.dtype)
     engine = AsyncEngine(lm, config.engine)
     apply_engine_faults(engine)  # tests only (PD_FAULT_STEP_DELAY_MS)
