@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import shlex
+import shutil
 import signal
 import sys
 import time
@@ -196,8 +197,26 @@ def _up_banner(config, cluster, http_port: int, grpc_port: int) -> str:
         f"  Metrics    : {metrics}\n  Traces     : {traces}\n{store}\n"
         f"try:\n{key_note}  curl -sN {base}/completions -H 'Content-Type: application/json'"
         f"{auth} \\\n    -d {shlex.quote(body)}\n"
-        f"  splitserve generate --router {a.host}:{grpc_port}{generate_tls} \"Once upon a time\"\n\nCtrl-C stops the cluster.\n"
+        f"  {self_command()} generate --router {a.host}:{grpc_port}{generate_tls} \"Once upon a time\"\n\nCtrl-C stops the cluster.\n"
     )
+
+
+def self_command() -> str:
+    """How to run this splitserve again from the current shell: ``splitserve`` when that is what PATH finds,
+    else the path this process was started with (e.g. ``.venv/bin/splitserve`` when the venv is not
+    activated)."""
+    argv0 = sys.argv[0] if sys.argv else ""
+    if os.path.basename(argv0) != "splitserve" or not os.path.isfile(argv0):
+        return "splitserve"
+    on_path = shutil.which("splitserve")
+    if on_path and os.path.realpath(on_path) == os.path.realpath(argv0):
+        return "splitserve"
+    rel = os.path.relpath(argv0)
+    if rel.startswith(".."):
+        rel = os.path.abspath(argv0)
+    elif os.sep not in rel:
+        rel = os.path.join(".", rel)
+    return shlex.quote(rel)
 
 
 def _generate(argv: list[str]) -> int:

@@ -5,10 +5,11 @@ carries the name, the key travels in the router's environment only, and the bann
 from __future__ import annotations
 
 import shlex
+import sys
 
 import pytest
 
-from splitserve.cli import _up_banner
+from splitserve.cli import _up_banner, self_command
 from splitserve.launcher import Cluster, up_cluster
 from splitserve.up_config import UpConfig, parse
 
@@ -59,6 +60,21 @@ def test_banner_commands_use_the_served_name_and_the_key_variable(monkeypatch):
 
     plain = _up_banner(parse([]), Cluster(), 8123, 50123)
     assert "Authorization" not in plain and "PD_API_KEY" not in plain
+
+
+def test_banner_generate_command_runs_as_printed_from_a_venv_that_is_not_activated(monkeypatch, tmp_path):
+    exe = tmp_path / ".venv" / "bin" / "splitserve"
+    exe.parent.mkdir(parents=True)
+    exe.write_text("#!/bin/sh\n")
+    exe.chmod(0o755)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", [str(exe), "up"])
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")  # no splitserve on PATH
+    assert self_command() == ".venv/bin/splitserve"
+    monkeypatch.setenv("PATH", f"{exe.parent}:/usr/bin:/bin")  # activated: PATH finds this very file
+    assert self_command() == "splitserve"
+    monkeypatch.setattr(sys, "argv", ["/usr/bin/pytest"])  # not started as splitserve: the plain name
+    assert self_command() == "splitserve"
 
 
 def test_up_passes_the_batching_limits_to_every_worker():
