@@ -37,7 +37,7 @@ CASES = [
     (["colocated", "--block-size", "0"], "--block-size must be >= 1, got 0"),
     (["colocated", "--max-model-len", "99999"], "--max-model-len 99999 exceeds the model's maximum context length 512"),
     (["prefill", "--max-model-len", "-1"], "--max-model-len must be >= 0"),
-    (["decode", "--decode-threads", "-1"], "--decode-threads must be >= 0"),
+    (["decode", "--decode-threads", "-2"], "--decode-threads must be >= -1"),
     (["colocated", "--http-port", "65536"], "--http-port must be a TCP port"),
     (["colocated", "--tls-ca", "/nope/ca.pem"], "TLS: file not found"),
     (["kvstore-master", "--replicas", "0"], "default_replicas must be in [1, 16]"),

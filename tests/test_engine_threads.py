@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import os
 
+import pytest
 import torch
 
 from splitserve.engine.args import add_engine_args
 from splitserve.engine.async_engine import set_torch_threads
+from splitserve.engine.config import EngineConfig
 from splitserve.engine.runner import PARALLEL_DECODE_MIN_SEQS, ModelRunner
 
 
@@ -55,3 +57,28 @@ def test_torch_threads_flag_defaults_to_auto():
     ap = argparse.ArgumentParser()
     add_engine_args(ap)
     assert ap.parse_args(["--model", "m"]).torch_threads == 0
+
+
+class _LM:
+    def __init__(self, dtype: str) -> None:
+        self.config = type("Cfg", (), {"dtype": dtype})()
+
+
+def test_decode_threads_auto_is_one_for_float32_and_all_for_bf16_and_fp16():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert ModelRunner(_LM("float32"), torch.empty(0), 16, -1).threads_for(1, 1) == 1
+        assert ModelRunner(_LM("bfloat16"), torch.empty(0), 16, -1).threads_for(1, 1) == 2
+        assert ModelRunner(_LM("float16"), torch.empty(0), 16, -1).threads_for(4, 4) == 2
+        assert ModelRunner(_LM("bfloat16"), torch.empty(0), 16, 1).threads_for(1, 1) == 1  # an explicit count wins
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_decode_threads_flag_defaults_to_auto_and_rejects_below_minus_one():
+    ap = argparse.ArgumentParser()
+    add_engine_args(ap)
+    assert ap.parse_args(["--model", "m"]).decode_threads == -1
+    with pytest.raises(ValueError, match="--decode-threads"):
+        EngineConfig(decode_threads=-2)

@@ -26,7 +26,7 @@ class EngineConfig:
     max_queue_wait_s: float = 30.0  # a request still waiting after this fails with RESOURCE_EXHAUSTED (inf: never)
     dtype: str = "auto"  # weights and KV cache: auto (the checkpoint's) | float32 | bfloat16 | float16
     max_model_len: int = 0  # context limit, tokens (prompt + output); 0 = the model's
-    decode_threads: int = 1  # torch threads of decode-only steps (0: as many as prefill steps use)
+    decode_threads: int = -1  # torch threads of small decode-only steps (0: as prefill steps; -1: by dtype, see ModelRunner)
     enable_prefix_caching: bool = False  # keep full KV blocks for reuse (engine.prefix_cache); CLI: on for decode, colocated
 
     def __post_init__(self) -> None:
@@ -42,7 +42,8 @@ class EngineConfig:
             ("--max-queue-wait-s", self.max_queue_wait_s, self.max_queue_wait_s > 0, "> 0"),
             ("--dtype", self.dtype, self.dtype in DTYPE_CHOICES, f"one of {', '.join(DTYPE_CHOICES)}"),
             ("--max-model-len", self.max_model_len, self.max_model_len >= 0, ">= 0 (0: the model's context length)"),
-            ("--decode-threads", self.decode_threads, self.decode_threads >= 0, ">= 0 (0: as many as --torch-threads)"),
+            ("--decode-threads", self.decode_threads, self.decode_threads >= -1,
+             ">= -1 (0: as many as --torch-threads; -1: by dtype)"),
         ):
             if not ok:
                 raise ValueError(f"{flag} must be {want}, got {value}")

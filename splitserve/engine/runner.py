@@ -16,6 +16,9 @@ from splitserve.model import AttentionMetadata, LoadedModel
 # machine (load 6-7, benchmarks/results/engine_compile_and_step_buffers.txt): 1 thread still won at batch 1
 # (46-72 vs 6-15 tokens/s) and at batch 16 (135-233 vs 34-68); no quiet moment to re-test 2 threads.
 PARALLEL_DECODE_MIN_SEQS = 16
+# bfloat16 on the same machine (AVX2: no bf16 units, every weight is converted) is compute-bound: single-stream
+# decode 67 tokens/s on 1 thread vs 95 on 2, batch 4 37.6 vs 25.3 ms per step (benchmarks/results/peers.md,
+# quiet machine). So ``decode_threads`` -1 (auto) means 1 thread for float32 and all of them otherwise.
 
 
 class ModelRunner:
@@ -24,7 +27,8 @@ class ModelRunner:
     Threads per phase: a decode step (every sequence feeds one token) of fewer than
     ``PARALLEL_DECODE_MIN_SEQS`` sequences runs with ``decode_threads`` torch threads; every other step
     (prefill, mixed, large decode batches) with the thread count set when the runner was built
-    (``--torch-threads``). ``decode_threads`` 0 means the same for all steps.
+    (``--torch-threads``). ``decode_threads`` 0 means the same for all steps; -1 (auto) 1 for float32
+    weights and the same for all steps for bfloat16/float16 (see ``PARALLEL_DECODE_MIN_SEQS``).
     """
 
     def __init__(self, lm: LoadedModel, kv_cache: torch.Tensor, block_size: int, decode_threads: int = 0) -> None:
@@ -32,6 +36,8 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.prefill_threads = torch.get_num_threads()
+        if decode_threads < 0:
+            decode_threads = 1 if lm is None or lm.config.dtype == "float32" else 0
         self.decode_threads = min(decode_threads, self.prefill_threads) or self.prefill_threads
         self._buffers = StepBuffers()
 
