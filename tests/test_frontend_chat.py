@@ -109,6 +109,16 @@ def test_fallback_template_when_model_has_none(tok: SimpleTokenizer) -> None:
     assert ids == tok.encode(text) and ids[0] == 1 and ids[1] != 1
 
 
+def test_fallback_template_adds_no_space_before_content_that_starts_with_whitespace() -> None:
+    # an answer comes back with its leading space (" Once"): the history renders the prompt + the answer as generated
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": " Once upon a time"},
+                {"role": "user", "content": "\nMore"}, {"role": "assistant", "content": ""}]
+    assert render_chat(messages, None, add_generation_prompt=False) == \
+        "user: Hi\nassistant: Once upon a time\nuser:\nMore\nassistant: \n"
+    first = render_chat(messages[:1], None)
+    assert render_chat(messages[:3], None).startswith(first + messages[1]["content"])
+
+
 def test_bos_not_added_twice(tok: SimpleTokenizer) -> None:
     tiny_with_bos_template = SimpleTokenizer(
         tok.hf,
