@@ -81,6 +81,14 @@ def test_text_completion_continuation_and_a_stop_string_trimmed(tok, continuity:
     ids = continuity.encode(later, True)
     assert continuity.hits == 1 and ids[:len(prompt_ids)] == prompt_ids
     assert tok.decode(ids, skip_special_tokens=False) == tok.decode(tok.encode(later), skip_special_tokens=False)
+    # ignore_eos: an EOS generated mid-answer is not in the text; the head before it is remembered
+    eos = tok.eos_token_ids[0]
+    tail = tok.encode(" Then she went home", add_special_tokens=False)[1:]
+    text_before = tok.decode([*prompt_ids, *output])[len(tok.decode(prompt_ids)):]
+    shown2 = tok.decode([*prompt_ids, *output, eos, *tail])[len(tok.decode(prompt_ids)):]
+    assert continuity.remember("P2: " + prompt, True, prompt_ids, [*output, eos, *tail], shown2)
+    found = continuity.index.longest_prefix("P2: " + prompt + shown2)
+    assert found[0] == "P2: " + prompt + text_before and list(found[1][1]) == [*prompt_ids, *output]
     # a completion text that is not what the tokens say is never stored
     assert not continuity.remember("other prompt", True, tok.encode("other prompt"), output, "something else")
 

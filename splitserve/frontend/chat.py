@@ -14,10 +14,12 @@ Fallback when the model has no chat template (e.g. TinyStories): each message be
     user: Tell me a story.
     assistant:
 
-The space after ``{role}:`` is left out when the content already starts with whitespace: the model's answer to
-``assistant:`` comes back with its leading space (``" Once upon a time"``), so the next turn's history renders
-``assistant: Once upon a time`` (not ``assistant:  Once``), exactly the prompt text + the completion text the
-model saw and produced; token continuity (:mod:`.token_continuity`) needs that to reuse the answer's token ids.
+The space after ``{role}:`` is written only when the content starts with a letter or a digit (or is empty): the
+model's answer to ``assistant:`` comes back with its own first character, a space (``" Once upon a time"``) or
+punctuation (``': "What do you like?"'``), so the next turn's history renders ``assistant: Once upon a time`` (not
+``assistant:  Once``) and ``assistant:: "What do you like?"``: exactly the prompt text + the completion text the
+model saw and produced, which token continuity (:mod:`.token_continuity`) needs to reuse the answer's token ids.
+A hand-written ``Hello!`` still renders as ``assistant: Hello!``.
 
 With ``tools`` (chat ``tools``, passed to the template as transformers' ``apply_chat_template(tools=...)``
 does), the fallback starts with a ``system:`` line listing them as JSON and the Hermes ``<tool_call>``
@@ -49,7 +51,7 @@ FALLBACK_TEMPLATE = (
     "To call one, answer with <tool_call>{\"name\": <function name>, \"arguments\": <arguments object>}</tool_call>.\n{% endif %}"
     "{% for message in messages %}"
     "{% if message['role'] == 'tool' %}tool: <tool_response>{{ message['content'] }}</tool_response>\n"
-    "{% else %}{{ message['role'] }}:{{ '' if (message['content'] or '')[:1].isspace() else ' ' }}{{ message['content'] }}"
+    "{% else %}{{ message['role'] }}:{{ ' ' if (message['content'] or 'a')[:1].isalnum() else '' }}{{ message['content'] }}"
     "{% for call in message['tool_calls'] or [] %}<tool_call>"
     "{{ {'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson }}</tool_call>{% endfor %}"
     "{{ '\\n' }}{% endif %}{% endfor %}"

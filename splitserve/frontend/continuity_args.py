@@ -29,7 +29,16 @@ def check_continuity_mb(mb: int) -> None:
         raise ValueError(f"--chat-token-continuity-mb must be >= 1 (MiB), got {mb!r}")
 
 
-def build_continuity(tokenizer: Any, enabled: bool, mb: int) -> TokenContinuity | None:
-    """A :class:`TokenContinuity` of ``mb`` MiB over ``tokenizer``, or None when not ``enabled``."""
+def build_continuity(tokenizer: Any, enabled: bool, mb: int, metrics: bool = True) -> TokenContinuity | None:
+    """A :class:`TokenContinuity` of ``mb`` MiB over ``tokenizer``, or None when not ``enabled``; with ``metrics``
+    its counters are exposed on the process's /metrics as ``splitserve:chat_token_continuity_*`` (hits, misses,
+    mismatches, stored, evictions; gauges entries, bytes)."""
     check_continuity_mb(mb)
-    return TokenContinuity(tokenizer, mb * 2**20) if enabled else None
+    if not enabled:
+        return None
+    continuity = TokenContinuity(tokenizer, mb * 2**20)
+    if metrics:
+        from splitserve.telemetry.stats_collector import register_stats
+
+        register_stats("chat_token_continuity", continuity.stats, {"entries", "bytes"}, doc="Token continuity")
+    return continuity

@@ -35,10 +35,6 @@ ANCHOR = "\n"
 """Text encoded in front of a continuation (and its tokens dropped): a newline is its own token in common
 vocabularies and never merges with what follows."""
 
-MAX_TRIM = 8
-"""Output tokens :meth:`TokenContinuity.remember` may drop from the end (EOS, a stop string's tokens, an
-incomplete character) to find ids whose text the returned completion starts with."""
-
 CONTEXT_TOKENS = 16
 """Prompt tokens decoded before the output to find the output's text in context."""
 
@@ -103,26 +99,41 @@ class TokenContinuity:
     def remember(self, prompt_text: str, add_special_tokens: bool, prompt_ids: Sequence[int],
                  output_ids: Sequence[int], completion_text: str) -> bool:
         """Remember that ``prompt_text`` (encoded with ``add_special_tokens``) as ``prompt_ids``, followed by the
-        generated ``output_ids``, showed the client ``completion_text``. The longest head of ``output_ids``
-        (dropping at most :data:`MAX_TRIM` tokens) whose text, in context, ``completion_text`` starts with is
-        stored with that text. Returns whether anything was stored."""
-        if not output_ids:
-            return False
+        generated ``output_ids``, showed the client ``completion_text``. A head of ``output_ids`` whose text, in
+        context, ``completion_text`` starts with is stored with that text: all of them when their text is the
+        completion's, else all but the last (a final EOS or stop token), else the longest head a binary search finds
+        (a stop string's tokens cut from the text, a special token generated mid-text with ``ignore_eos``).
+        Returns whether anything was stored."""
         context = list(prompt_ids[-CONTEXT_TOKENS:])
         base = self._decode(context)
-        for k in range(len(output_ids), max(0, len(output_ids) - MAX_TRIM), -1):
+
+        def piece(k: int) -> str | None:  # the text of output_ids[:k] if the completion starts with it
             full = self._decode([*context, *output_ids[:k]])
-            if not full.startswith(base):
-                continue
-            piece = full[len(base):]
-            if completion_text.startswith(piece):
-                text = prompt_text + piece
-                ids = array("i", [*prompt_ids, *output_ids[:k]])
-                if self.index.put(text, (add_special_tokens, ids), len(text.encode("utf-8", "surrogatepass")) + 4 * len(ids)):
-                    self.stored += 1
-                    return True
-                return False
-        return False
+            text = full[len(base):] if full.startswith(base) else None
+            return text if text is not None and completion_text.startswith(text) else None
+
+        n = len(output_ids)
+        k, text = n, piece(n)
+        if text is None and n > 1:
+            k, text = n - 1, piece(n - 1)
+        if text is None:
+            lo, hi, text = 0, n - 2, None  # the largest k in [1, n - 2] that passes
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                found = piece(mid)
+                if found is None:
+                    hi = mid - 1
+                else:
+                    lo, text = mid, found
+            k = lo
+        if not k or text is None:
+            return False
+        full_text = prompt_text + text
+        ids = array("i", [*prompt_ids, *output_ids[:k]])
+        if not self.index.put(full_text, (add_special_tokens, ids), len(full_text.encode("utf-8", "surrogatepass")) + 4 * len(ids)):
+            return False
+        self.stored += 1
+        return True
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
