@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from splitserve.dtypes import DTYPE_CHOICES, check_dtype_choice
 from splitserve.cli_help import SECRET_DEFAULT, new_parser
+from splitserve.config_checks import check_push_layer_groups
 from splitserve.cpus import check_cpus
 from splitserve.env import env_bool, env_choice, env_float, env_int, env_str
 from splitserve.frontend.continuity_args import add_continuity_args, check_continuity_mb
@@ -270,6 +271,7 @@ def parse(argv: list[str] | None = None) -> UpConfig:
                     f"or {DEFAULT_OTLP_ENDPOINT} (e.g. Jaeger all-in-one)")
     add_tls_args(ap)
     a = ap.parse_args(argv)
+    check_push_layer_groups(a.model, a.kv_push_layer_groups)
     otlp = None
     if a.trace or a.otlp_endpoint:
         otlp = a.otlp_endpoint or env_str("OTEL_EXPORTER_OTLP_ENDPOINT", DEFAULT_OTLP_ENDPOINT)
