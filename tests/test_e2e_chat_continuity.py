@@ -6,9 +6,16 @@ equals a colocated server's for the same request sequence."""
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import pytest
 
+from splitserve.client import RouterClient
+
+from splitserve.frontend.chat import render_chat
+from splitserve.paths import default_model_path
+from splitserve.served_model import load_served_model
 from tests.cluster import Colocated, start_cluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.cluster]
@@ -26,6 +33,15 @@ def setup():
     finally:
         ref.stop()
         cluster.stop()
+
+
+async def generated(address: str, prompt: list[int]) -> list[int]:
+    """The greedy output ids of ``prompt`` (as the chat turn made them)."""
+    ids = []
+    async with RouterClient(address) as client:
+        async for msg in client.generate(prompt, max_tokens=12, temperature=0.0, ignore_eos=True, timeout=60):
+            ids += msg.token_ids
+    return ids
 
 
 def received(cluster) -> float:
@@ -57,6 +73,14 @@ def test_later_chat_turns_move_only_their_new_tokens_kv_with_the_colocated_answe
     rows = chat(http, cluster)
     answer1, prompt1, _, bytes1 = rows[0]
     assert answer1.startswith(" ")  # the model's answer keeps its leading space: the history is prompt + answer
+    # the case at issue: a fresh encode of turn 2's history does not start with turn 1's prompt + output ids
+    tok = load_served_model(str(default_model_path()), None).tokenizer
+    turn1 = [{"role": "user", "content": USER_TURNS[0]}]
+    ids1 = tok.encode(render_chat(turn1, None))
+    out1 = asyncio.run(generated(ref.grpc_address, ids1))
+    assert tok.decode(out1) == answer1.lstrip(" ")
+    history = render_chat([*turn1, {"role": "assistant", "content": answer1}, {"role": "user", "content": USER_TURNS[1]}], None)
+    assert tok.encode(history)[:len(ids1) + len(out1)] != ids1 + out1
     token_nbytes = bytes1 / prompt1  # turn 1 pulls the whole prompt (a partial block only its used rows)
     assert token_nbytes == int(token_nbytes) > 0
     for (_, prev_prompt, prev_completion, _), (_, prompt, _, nbytes) in zip(rows, rows[1:]):
