@@ -20,6 +20,9 @@ decode worker cannot hold: the user message and the previous answer's last token
 TTFT (client side, gRPC ``Generate`` sent → first token) of each configuration.
 
     .venv/bin/python benchmarks/multiturn_prefix.py [--model synthetic:llama-25m] [--conversations 4] [--turns 8]
+
+A text chat through ``/v1/chat/completions`` (the history re-rendered and re-tokenized each turn, router token
+continuity on and off): ``benchmarks/multiturn_chat_text.py``.
 """
 
 from __future__ import annotations
@@ -51,12 +54,14 @@ def received_bytes(metrics_url: str) -> float:
     return total
 
 
-def start_router(cluster: Cluster, model: str, prefill: str, decode: str, skip: str) -> tuple[Child, str]:
-    """A router over one prefill and one decode worker; returns (child, gRPC address)."""
+def start_router(cluster: Cluster, model: str, prefill: str, decode: str, skip: str,
+                 extra: tuple[str, ...] = ()) -> tuple[Child, str]:
+    """A router over one prefill and one decode worker (``extra``: more router flags); returns (child, gRPC address).
+    Its HTTP base URL is ``child.health`` less ``/health``."""
     port, http = free_port(), free_port()
     argv = [*cluster.children[0].argv[:3], "router", "--model", model, "--http-port", str(http), "--grpc-port", str(port),
             "--prefill", prefill, "--decode", decode, "--policy", "prefix_aware", "--skip-prefill-tokens", skip,
-            "--poll-interval-s", "0.3"]
+            "--poll-interval-s", "0.3", *extra]
     child = Child("router", argv, f"http://127.0.0.1:{http}/health")
     cluster.start_child(child)
     cluster.wait_healthy(timeout_s=120, children=[child])

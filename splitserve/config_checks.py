@@ -31,3 +31,25 @@ def check_port_free(what: str, host: str, port: int) -> None:
             sock.bind((host, port))
         except OSError:
             raise ValueError(f"cannot listen on {host}:{port} ({what}): the port is in use or the address is not local") from None
+
+
+def check_push_layer_groups(model: str, groups: int) -> None:
+    """``--kv-push-layer-groups``: 0 (one group per layer) up to the number of layers of ``model`` (read without
+    weights; a model that cannot be read here is left to fail when the engine loads it).
+
+    Raises:
+        ValueError: below 0, or more groups than the model has layers.
+    """
+    if groups < 0:
+        raise ValueError(f"--kv-push-layer-groups must be >= 0 (0: one per layer), got {groups}")
+    if groups == 0:
+        return
+    from splitserve.model import load_model
+
+    try:
+        layers = load_model(model, weights=False).config.num_layers
+    except (OSError, ValueError, NotImplementedError):
+        return
+    if groups > layers:
+        raise ValueError(f"--kv-push-layer-groups {groups} exceeds the model's {layers} layers "
+                         f"(at most {layers}; 0: one group per layer)")

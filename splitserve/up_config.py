@@ -12,8 +12,10 @@ from dataclasses import dataclass, field
 
 from splitserve.dtypes import DTYPE_CHOICES, check_dtype_choice
 from splitserve.cli_help import SECRET_DEFAULT, new_parser
+from splitserve.config_checks import check_push_layer_groups
 from splitserve.cpus import check_cpus
 from splitserve.env import env_bool, env_choice, env_float, env_int, env_str
+from splitserve.frontend.continuity_args import add_continuity_args, check_continuity_mb
 from splitserve.paths import default_model_path
 from splitserve.rpc.shutdown import DEFAULT_GRACE_S
 from splitserve.rpc.tls import TlsConfig, add_tls_args, tls_config
@@ -41,6 +43,7 @@ class UpConfig:
         passed with ``kv_transfer_mode`` "push" to every decode worker (with ``elastic``, to every worker: any may
         become a decode worker).
     decode_migrations: the router's moves of a stream to another decode worker after a mid-stream failure (0: off).
+    chat_token_continuity, chat_token_continuity_mb: the router's token continuity and its memory in MiB.
     store_nodes: KV store storage nodes (0: no store, no master). store_mb: segment per node, MiB.
     store_replicas: copies per object, on distinct nodes (<= store_nodes).
     policy, disagg: the router's worker selection and its disaggregation rule (checked by the router's config).
@@ -88,6 +91,8 @@ class UpConfig:
     slo_itl_ms: float | None = None
     kv_push_layer_groups: int = 0
     decode_migrations: int = 1
+    chat_token_continuity: bool = True
+    chat_token_continuity_mb: int = 64
 
     def __post_init__(self) -> None:
         if self.num_prefill < 1 or self.num_decode < 1:
@@ -102,6 +107,7 @@ class UpConfig:
             raise ValueError(f"--kv-push-layer-groups must be >= 0 (0: one per layer), got {self.kv_push_layer_groups}")
         if self.decode_migrations < 0:
             raise ValueError(f"--decode-migrations must be >= 0 (0: off), got {self.decode_migrations}")
+        check_continuity_mb(self.chat_token_continuity_mb)
         if self.store_nodes < 0:
             raise ValueError(f"--store-nodes must be >= 0, got {self.store_nodes}")
         if self.kv_transfer_mode == "store" and not self.store_nodes:
@@ -154,8 +160,10 @@ class UpConfig:
         name = ["--served-model-name", self.served_model_name] if self.served_model_name else []
         planner = (["--planner", *(["--slo-ttft-ms", str(self.slo_ttft_ms)] if self.slo_ttft_ms else []),
                     *(["--slo-itl-ms", str(self.slo_itl_ms)] if self.slo_itl_ms else [])] if self.planner else [])
+        continuity = ["--chat-token-continuity" if self.chat_token_continuity else "--no-chat-token-continuity",
+                      "--chat-token-continuity-mb", str(self.chat_token_continuity_mb)]
         return ["--policy", self.policy, "--disagg", self.disagg, "--kv-transfer-mode", self.kv_transfer_mode,
-                "--decode-migrations", str(self.decode_migrations), *name, *planner]
+                "--decode-migrations", str(self.decode_migrations), *continuity, *name, *planner]
 
     def router_env(self) -> dict[str, str]:
         """Variables only the router gets: its API key (an environment variable is not visible in ``ps``)."""
@@ -257,11 +265,13 @@ def parse(argv: list[str] | None = None) -> UpConfig:
     ap.add_argument("--shutdown-grace-s", type=float, default=env_float("PD_SHUTDOWN_GRACE_S", DEFAULT_GRACE_S),
                     help="Ctrl-C/SIGTERM: in-flight requests may finish within this many seconds (0: stop at once; "
                          "a second Ctrl-C stops at once too)")
+    add_continuity_args(ap)
     ap.add_argument("--trace", action="store_true", help="every process exports OpenTelemetry traces over OTLP")
     ap.add_argument("--otlp-endpoint", help="OTLP endpoint for --trace (implies it); default $OTEL_EXPORTER_OTLP_ENDPOINT "
                     f"or {DEFAULT_OTLP_ENDPOINT} (e.g. Jaeger all-in-one)")
     add_tls_args(ap)
     a = ap.parse_args(argv)
+    check_push_layer_groups(a.model, a.kv_push_layer_groups)
     otlp = None
     if a.trace or a.otlp_endpoint:
         otlp = a.otlp_endpoint or env_str("OTEL_EXPORTER_OTLP_ENDPOINT", DEFAULT_OTLP_ENDPOINT)
@@ -276,4 +286,5 @@ def parse(argv: list[str] | None = None) -> UpConfig:
         max_num_batched_tokens=a.max_num_batched_tokens, enable_chunked_prefill=a.enable_chunked_prefill,
         elastic=a.elastic, planner=a.planner, slo_ttft_ms=a.slo_ttft_ms, slo_itl_ms=a.slo_itl_ms,
         kv_push_layer_groups=a.kv_push_layer_groups, decode_migrations=a.decode_migrations,
+        chat_token_continuity=a.chat_token_continuity, chat_token_continuity_mb=a.chat_token_continuity_mb,
     )

@@ -58,6 +58,13 @@ CASES = [
     (["up", "--http-port", "18100", "--grpc-port", "18100"], "--http-port and --grpc-port must differ"),
     (["up", "--model", "/nonexistent/model"], "prefill-0: --model: no such file or directory"),
     (["up", "--no-store", "--kv-transfer-mode", "store"], "--kv-transfer-mode store needs the KV store"),
+    (["up", "--kv-transfer-mode", "push", "--kv-push-layer-groups", "3"],
+     "--kv-push-layer-groups 3 exceeds the model's 2 layers (at most 2; 0: one group per layer)"),
+    (["decode", "--kv-push-layer-groups", "3"], "--kv-push-layer-groups 3 exceeds the model's 2 layers"),
+    (["worker", "--kv-push-layer-groups", "5"], "--kv-push-layer-groups 5 exceeds the model's 2 layers"),
+    (["decode", "--kv-push-layer-groups", "-1"], "--kv-push-layer-groups must be >= 0 (0: one per layer), got -1"),
+    (["router", "--chat-token-continuity-mb", "0"], "--chat-token-continuity-mb must be >= 1 (MiB), got 0"),
+    (["colocated", "--chat-token-continuity-mb", "-2"], "--chat-token-continuity-mb must be >= 1 (MiB), got -2"),
     (["generate", "hi", "--max-tokens", "0"], "--max-tokens must be >= 1"),
     (["generate", "hi", "--tls-ca", "/nope/ca.pem"], "TLS: file not found"),
 ]
@@ -101,6 +108,8 @@ def test_help_exits_0_without_starting(nothing_starts, capsys) -> None:
 
 @pytest.mark.parametrize("argv", [
     ["decode", "--port", "0", "--block-size", "32"],
+    ["decode", "--kv-push-layer-groups", "2"],  # as many groups as the default model has layers
+    ["router", "--no-chat-token-continuity", "--chat-token-continuity-mb", "1"],
     ["prefill", "--model", "synthetic:llama-tiny"],
     ["router", "--model", "synthetic:llama-tiny", "--disagg", "64", "--http-port", "0"],
     ["colocated", "--http-port", "65535"],

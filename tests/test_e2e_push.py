@@ -6,6 +6,7 @@ import asyncio
 import time
 
 import grpc
+import httpx
 import pytest
 from pd.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
@@ -96,6 +97,23 @@ async def test_concurrent_pushes_and_nothing_left_held(push, colocated, story_id
         return (p["kv_transfers_held"] == 0 and p["kv_pushes_pending"] == 0 and d["streams_open"] == 0
                 and d["kv_blocks_free"] == d["kv_blocks_total"])
     await until(idle, 10, "idle workers")
+
+
+def scrape(cluster, name) -> dict[str, float]:
+    url = next(ch for ch in cluster.children if ch.name == name).metrics
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in httpx.get(url, timeout=5).text.splitlines()
+            if line.startswith("splitserve:kv_push")}
+
+
+async def test_push_counters_on_the_workers_metrics(push, story_ids):
+    c, address = push
+    await wait_pushing(c, address, story_ids[:3])
+    p, d = await stats(c, "prefill-0"), await stats(c, "decode-0")
+    pm, dm = scrape(c, "prefill-0"), scrape(c, "decode-0")
+    assert pm["splitserve:kv_pushes_total"] == p["kv_pushes"] > 0
+    assert pm["splitserve:kv_push_fallbacks_total"] == p["kv_push_fallbacks"]
+    assert pm["splitserve:kv_pushes_pending"] == p["kv_pushes_pending"] == 0
+    assert dm == {"splitserve:kv_pushes_received_total": d["kv_pushes_received"]} and d["kv_pushes_received"] > 0
 
 
 async def _kill_mid_push(victim: str, num_decode: int, story_ids, colocated):

@@ -109,6 +109,19 @@ def test_fallback_template_when_model_has_none(tok: SimpleTokenizer) -> None:
     assert ids == tok.encode(text) and ids[0] == 1 and ids[1] != 1
 
 
+def test_fallback_template_writes_the_space_only_before_a_letter_or_digit() -> None:
+    # an answer comes back with its own first character (" Once", ': "What'): the history renders the prompt + the
+    # answer exactly as generated
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": " Once upon a time"},
+                {"role": "user", "content": "\nMore"}, {"role": "assistant", "content": ': "What?"'},
+                {"role": "user", "content": "3 cats"}, {"role": "assistant", "content": ""}]
+    assert render_chat(messages, None, add_generation_prompt=False) == \
+        'user: Hi\nassistant: Once upon a time\nuser:\nMore\nassistant:: "What?"\nuser: 3 cats\nassistant: \n'
+    for k in (1, 3):
+        prompt = render_chat(messages[:k], None)
+        assert render_chat(messages[:k + 2], None).startswith(prompt + messages[k]["content"])
+
+
 def test_bos_not_added_twice(tok: SimpleTokenizer) -> None:
     tiny_with_bos_template = SimpleTokenizer(
         tok.hf,

@@ -99,15 +99,15 @@ def _flag(argv: list[str], flag: str) -> str:
 def test_up_passes_push_layer_groups_to_decode_workers_and_decode_migrations_to_the_router(monkeypatch):
     for var in ("PD_KV_PUSH_LAYER_GROUPS", "PD_DECODE_MIGRATIONS"):
         monkeypatch.delenv(var, raising=False)
-    config = parse(["--kv-transfer-mode", "push", "--kv-push-layer-groups", "3", "--decode-migrations", "0", "--no-store",
+    config = parse(["--kv-transfer-mode", "push", "--kv-push-layer-groups", "1", "--decode-migrations", "0", "--no-store",
                     "--decode", "2", "--http-port", "0", "--grpc-port", "0"])
     cluster, _, _ = up_cluster(config)
-    assert _flag(_argv(cluster, "decode-0"), "--kv-push-layer-groups") == "3"
-    assert _flag(_argv(cluster, "decode-1"), "--kv-push-layer-groups") == "3"
+    assert _flag(_argv(cluster, "decode-0"), "--kv-push-layer-groups") == "1"
+    assert _flag(_argv(cluster, "decode-1"), "--kv-push-layer-groups") == "1"
     assert "--kv-push-layer-groups" not in _argv(cluster, "prefill-0")  # `splitserve prefill` has no such flag
     assert _flag(_argv(cluster, "router"), "--decode-migrations") == "0"
     assert "--decode-migrations" not in _argv(cluster, "decode-0")
-    pull, _, _ = up_cluster(parse(["--kv-push-layer-groups", "3", "--no-store", "--http-port", "0", "--grpc-port", "0"]))
+    pull, _, _ = up_cluster(parse(["--kv-push-layer-groups", "1", "--no-store", "--http-port", "0", "--grpc-port", "0"]))
     assert "--kv-push-layer-groups" not in _argv(pull, "decode-0")  # direct pull: no push to configure
     assert _flag(_argv(pull, "router"), "--decode-migrations") == "1"
 
@@ -121,10 +121,12 @@ def test_up_elastic_workers_all_get_push_layer_groups(monkeypatch):
 
 
 def test_up_push_and_migration_defaults_and_bounds(monkeypatch):
-    monkeypatch.setenv("PD_KV_PUSH_LAYER_GROUPS", "4")
+    monkeypatch.setenv("PD_KV_PUSH_LAYER_GROUPS", "2")  # the default model's 2 layers, one group each
     monkeypatch.setenv("PD_DECODE_MIGRATIONS", "2")
     config = parse([])
-    assert (config.kv_push_layer_groups, config.decode_migrations) == (4, 2)
+    assert (config.kv_push_layer_groups, config.decode_migrations) == (2, 2)
+    with pytest.raises(ValueError, match="--kv-push-layer-groups 3 exceeds the model's 2 layers"):
+        parse(["--kv-push-layer-groups", "3"])
     monkeypatch.delenv("PD_KV_PUSH_LAYER_GROUPS")
     monkeypatch.delenv("PD_DECODE_MIGRATIONS")
     config = parse([])
@@ -140,5 +142,7 @@ def test_elastic_worker_accepts_push_layer_groups(monkeypatch):
     monkeypatch.delenv("PD_KV_PUSH_LAYER_GROUPS", raising=False)
     assert worker_parse(["--kv-push-layer-groups", "2"]).kv_push_layer_groups == 2
     assert worker_parse([]).kv_push_layer_groups == 0
-    with pytest.raises(ValueError, match="kv_push_layer_groups"):
+    with pytest.raises(ValueError, match="--kv-push-layer-groups must be >= 0"):
         worker_parse(["--kv-push-layer-groups", "-1"])
+    with pytest.raises(ValueError, match="--kv-push-layer-groups 3 exceeds the model's 2 layers"):
+        worker_parse(["--kv-push-layer-groups", "3"])

@@ -16,6 +16,7 @@ from splitserve.config_checks import check_port
 from splitserve.engine.args import add_engine_args, engine_config
 from splitserve.colocated.backend import LocalBackend
 from splitserve.engine.async_engine import AsyncEngine, set_torch_threads
+from splitserve.frontend.continuity_args import add_continuity_args, build_continuity, check_continuity_mb
 from splitserve.frontend.draining import DrainMiddleware
 from splitserve.frontend.grpc_api import RouterServicer
 from splitserve.frontend.http_app import build_app
@@ -54,7 +55,9 @@ async def serve(args: argparse.Namespace) -> None:
     grpc_port = bind(server, args.host, args.grpc_port, tls_config(args))
     register_engine(engine)
     await server.start()
-    app = DrainMiddleware(instrument_app(build_app(served, backend, api_key=api_key, extra_routes=[metrics_route()])), drain)
+    continuity = build_continuity(lm.tokenizer, args.chat_token_continuity, args.chat_token_continuity_mb)
+    app = DrainMiddleware(instrument_app(build_app(served, backend, api_key=api_key, extra_routes=[metrics_route()],
+                                                   token_continuity=continuity)), drain)
     http = http_server(app, args.host, args.http_port, args.http_limits)  # read deadlines, connection cap (PD_HTTP_*)
     http_task = asyncio.create_task(http.serve())
     gc.collect()  # start-up objects to the permanent generation: full collections stop walking them (gc.freeze)
@@ -88,6 +91,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                     help="gRPC port of pd.v1.RouterService (0: any free port)")
     ap.add_argument("--api-key", default=env_str("PD_API_KEY"),
                     help=f"require Authorization: Bearer <key>; prefer PD_API_KEY {SECRET_DEFAULT}")
+    add_continuity_args(ap)
     add_tls_args(ap)
     add_keepalive_args(ap)
     add_shutdown_args(ap)
@@ -101,6 +105,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     tls_config(args)
     keepalive_config(args)
     check_grace(args.shutdown_grace_s)
+    check_continuity_mb(args.chat_token_continuity_mb)
     check_port("--http-port", args.http_port)
     check_port("--grpc-port", args.grpc_port)
     args.http_limits = HttpLimits.from_env()

@@ -14,6 +14,13 @@ Fallback when the model has no chat template (e.g. TinyStories): each message be
     user: Tell me a story.
     assistant:
 
+The space after ``{role}:`` is written only when the content starts with a letter or a digit (or is empty): the
+model's answer to ``assistant:`` comes back with its own first character, a space (``" Once upon a time"``) or
+punctuation (``': "What do you like?"'``), so the next turn's history renders ``assistant: Once upon a time`` (not
+``assistant:  Once``) and ``assistant:: "What do you like?"``: exactly the prompt text + the completion text the
+model saw and produced, which token continuity (:mod:`.token_continuity`) needs to reuse the answer's token ids.
+A hand-written ``Hello!`` still renders as ``assistant: Hello!``.
+
 With ``tools`` (chat ``tools``, passed to the template as transformers' ``apply_chat_template(tools=...)``
 does), the fallback starts with a ``system:`` line listing them as JSON and the Hermes ``<tool_call>``
 convention; an assistant message's ``tool_calls`` follow its content as ``<tool_call>{"name": ...,
@@ -44,7 +51,7 @@ FALLBACK_TEMPLATE = (
     "To call one, answer with <tool_call>{\"name\": <function name>, \"arguments\": <arguments object>}</tool_call>.\n{% endif %}"
     "{% for message in messages %}"
     "{% if message['role'] == 'tool' %}tool: <tool_response>{{ message['content'] }}</tool_response>\n"
-    "{% else %}{{ message['role'] }}: {{ message['content'] }}"
+    "{% else %}{{ message['role'] }}:{{ ' ' if (message['content'] or 'a')[:1].isalnum() else '' }}{{ message['content'] }}"
     "{% for call in message['tool_calls'] or [] %}<tool_call>"
     "{{ {'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson }}</tool_call>{% endfor %}"
     "{{ '\\n' }}{% endif %}{% endfor %}"
@@ -123,10 +130,19 @@ def encode_chat(tokenizer: Any, messages: Sequence[dict[str, Any]], limit: Promp
     ``add_special_tokens`` None: BOS is added unless the rendered text starts with it (what generation
     uses); True / False: as told (``/tokenize``).
     """
+    text, add_special = chat_text(tokenizer, messages, limit, add_generation_prompt=add_generation_prompt,
+                                  add_special_tokens=add_special_tokens, tools=tools)
+    return list(tokenizer.encode(text, add_special_tokens=add_special))
+
+
+def chat_text(tokenizer: Any, messages: Sequence[dict[str, Any]], limit: PromptLimit | None = None, *,
+              add_generation_prompt: bool = True, add_special_tokens: bool | None = None,
+              tools: Sequence[dict[str, Any]] | None = None) -> tuple[str, bool]:
+    """What :func:`encode_chat` encodes: (the rendered text, whether to encode it with special tokens).
+    Raises as :func:`encode_chat` does."""
     text = render_chat(messages, tokenizer.chat_template, tokenizer.bos_token, tokenizer.eos_token,
                        add_generation_prompt=add_generation_prompt, tools=tools)
     if limit is not None:
         limit.check(text, "messages")
     bos = tokenizer.bos_token
-    add_special = not (bos and text.startswith(bos)) if add_special_tokens is None else add_special_tokens
-    return list(tokenizer.encode(text, add_special_tokens=add_special))
+    return text, not (bos and text.startswith(bos)) if add_special_tokens is None else add_special_tokens

@@ -26,13 +26,20 @@ JSON and text (unpaired surrogates, NaN, duplicate keys, deep nesting, wrong typ
 Preparing a request (parsing, chat template, tokenization, the checks shared with the gRPC front
 door in :mod:`.prepare`) runs in worker threads (:class:`.offload.Offload`), never on the event loop,
 and a text prompt that cannot fit the context is refused before it is tokenized (:mod:`.prompt_limit`).
+
+With ``token_continuity`` (:mod:`.token_continuity`), each finished choice of a text or chat request is remembered
+(its prompt text + returned text -> prompt ids + output ids) once its response is complete, so a later prompt that
+continues it (the next chat turn) reuses those ids. Every returned choice is remembered (with ``n`` > 1 each is a
+conversation the client may continue); not remembered: ``best_of`` choices that were not returned, chat requests
+with ``tools`` (their text is returned as ``tool_calls``), ``max_tokens: 0`` echoes, choices ended by ``abort``.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import anyio
@@ -54,11 +61,14 @@ from splitserve.frontend.prepare import ChatPrompt, PreparedRequest, RequestPrep
 from splitserve.frontend.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest, ModelCard
 from splitserve.frontend.responses import ChatFormatter, CompletionFormatter, Outcome, ResponseFormatter, ResponseSpec
 from splitserve.frontend.sse import DONE, SSEResponse, cancel_on_disconnect, sse_event
+from splitserve.frontend.token_continuity import TokenContinuity
 from splitserve.frontend.tokenize_api import TokenizeAPI
 from splitserve.frontend import validation as v
 from splitserve.frontend.structured import with_guided
 from splitserve.frontend.tools import plan_tools, template_messages
 from splitserve.telemetry.requests import observe_request
+
+logger = logging.getLogger(__name__)
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 """OpenAI's default ``max_tokens`` for ``/v1/completions``."""
@@ -79,6 +89,7 @@ def build_app(
     request_timeout_s: float | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     offload: Offload | None = None,
+    token_continuity: TokenContinuity | None = None,
 ) -> Starlette:
     """Build the ASGI app serving ``model_info`` with tokens from ``backend``.
 
@@ -91,10 +102,12 @@ def build_app(
             ``deadline_exceeded`` before the first byte, an SSE error event after); None: no deadline.
         max_body_bytes: larger request bodies get 413 without being read.
         offload: the thread pools that prepare requests (default: a new :class:`Offload`).
+        token_continuity: remembers finished requests' texts and token ids and encodes prompts that continue them
+            (see the module docstring); None: every prompt is encoded fresh.
     """
     if request_timeout_s is not None and request_timeout_s <= 0:
         raise ValueError(f"request_timeout_s must be > 0, got {request_timeout_s}")
-    api = _OpenAIServer(model_info, backend, request_timeout_s, max_body_bytes, offload or Offload())
+    api = _OpenAIServer(model_info, backend, request_timeout_s, max_body_bytes, offload or Offload(), token_continuity)
     tokens = TokenizeAPI(model_info, api.preparer, api.offload, max_body_bytes)
     routes: list[BaseRoute] = [
         Route("/v1/completions", api.completions, methods=["POST"]),
@@ -119,7 +132,7 @@ class _OpenAIServer:
 
     def __init__(
         self, model_info: ModelInfo, backend: GenerationBackend, request_timeout_s: float | None, max_body_bytes: int,
-        offload: Offload,
+        offload: Offload, continuity: TokenContinuity | None = None,
     ) -> None:
         self.info = model_info
         self.backend = backend
@@ -128,7 +141,8 @@ class _OpenAIServer:
         self.request_timeout_s = request_timeout_s
         self.max_body_bytes = max_body_bytes
         self.offload = offload
-        self.preparer = RequestPreparer(self.tokenizer, model_info.max_model_len)
+        self.continuity = continuity
+        self.preparer = RequestPreparer(self.tokenizer, model_info.max_model_len, continuity)
         self.texts = TokenTexts(self.tokenizer)
 
     async def completions(self, request: Request) -> Response:
@@ -213,7 +227,8 @@ class _OpenAIServer:
             await _aclose(deltas)
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         if req.stream:
-            events = _sse_events(deltas, first, fmt, len(prompt_ids), params.n, req.include_usage, req.continuous_usage)
+            events = _sse_events(deltas, first, fmt, len(prompt_ids), params.n, req.include_usage, req.continuous_usage,
+                                 lambda outcome: self._remember(prepared, outcome, fmt))
             return SSEResponse(events, headers=headers)
         try:
             finished, outcome = await cancel_on_disconnect(request.receive, lambda: _collect(deltas, first, params.n))
@@ -227,7 +242,27 @@ class _OpenAIServer:
             body = fmt.full(outcome, len(prompt_ids))
         except Exception as e:  # the backend broke its contract (e.g. no logprobs although asked for)
             return error_response(e, fmt.id)
+        await self._remember(prepared, outcome, fmt)
         return JSONResponse(body, headers=headers)
+
+    async def _remember(self, prepared: PreparedRequest, outcome: Outcome, fmt: ResponseFormatter) -> None:
+        """Token continuity: remember each returned choice of a finished text or chat request (module docstring)."""
+        continuity = self.continuity
+        if (continuity is None or prepared.prompt_text is None or fmt.spec.echo_only
+                or getattr(fmt, "tools", None) is not None or len(outcome.choices) != fmt.spec.n):
+            return
+        choices = [c for c in outcome.choices.values() if c.finish_reason not in (None, "abort") and c.token_ids]
+
+        def remember() -> None:
+            try:
+                for c in choices:
+                    continuity.remember(prepared.prompt_text, prepared.add_special_tokens, prepared.prompt_ids,
+                                        c.token_ids, c.text)
+            except Exception:  # an optimisation: never fails the request that already answered
+                logger.exception("token continuity: could not remember request %s", fmt.id)
+
+        if choices:
+            await self.offload.run(len(prepared.prompt_text), remember)
 
 
 async def _collect(deltas: AsyncIterator[TextDelta], first: TextDelta, n: int) -> Outcome:
@@ -244,10 +279,12 @@ async def _collect(deltas: AsyncIterator[TextDelta], first: TextDelta, n: int) -
 
 async def _sse_events(
     deltas: AsyncGenerator[TextDelta, None], first: TextDelta, fmt: ResponseFormatter, prompt_tokens: int, n: int,
-    include_usage: bool, continuous_usage: bool = False,
+    include_usage: bool, continuous_usage: bool = False, on_finished: Callable[[Outcome], Awaitable[None]] | None = None,
 ) -> AsyncGenerator[str, None]:
-    """SSE event strings for one streamed request of ``n`` choices; always ends with ``[DONE]``."""
+    """SSE event strings for one streamed request of ``n`` choices; always ends with ``[DONE]``. ``on_finished``
+    is awaited with the outcome once every choice finished and ``[DONE]`` was sent."""
     outcome = Outcome()
+    finished = False
     try:
         for chunk in fmt.start_chunks():
             yield sse_event(chunk)
@@ -257,6 +294,7 @@ async def _sse_events(
             for chunk in fmt.delta_chunks(delta, fmt.usage(outcome, prompt_tokens) if continuous_usage else None):
                 yield sse_event(chunk)
             if outcome.finished(n):
+                finished = True
                 break
             delta = await anext(deltas, None)
         if include_usage:
@@ -266,6 +304,8 @@ async def _sse_events(
     finally:
         await _aclose(deltas)
     yield DONE
+    if finished and on_finished is not None:
+        await on_finished(outcome)
 
 
 async def _aclose(gen: Any) -> None:

@@ -7,7 +7,8 @@ the sampling parameters lives here, once:
 * the prompt is not empty (a text prompt may be ``""`` when the tokenizer adds BOS: generation starts from BOS
   alone, as transformers, vLLM and llama.cpp do); a text prompt that cannot fit the context is refused before it is tokenized
   (:mod:`.prompt_limit`), then encoded with the model's special tokens (BOS); a chat conversation is rendered with
-  the model's chat template (:mod:`.chat`); prompt token ids must lie in the vocabulary;
+  the model's chat template (:mod:`.chat`); prompt token ids must lie in the vocabulary; with token continuity
+  (:mod:`.token_continuity`) a text or chat prompt that continues an earlier prompt + completion reuses its ids;
 * stop token ids, ``logit_bias`` keys and ``allowed_token_ids`` lie in the vocabulary; ``bad_words`` are
   tokenized the way vLLM does (:class:`.sampling_map.BadWords`); at most :data:`MAX_STOP_STRINGS`
   non-empty stop strings;
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from splitserve.engine.sampling import SamplingParams
-from splitserve.frontend.chat import encode_chat
+from splitserve.frontend.chat import chat_text
 from splitserve.frontend.errors import APIError
 from splitserve.frontend.prompt_limit import PromptLimit
 from splitserve.frontend.sampling_map import BadWords, build_params
@@ -81,11 +82,14 @@ class SamplingRequest:
 @dataclass(frozen=True, slots=True)
 class PreparedRequest:
     """A request ready for :func:`.pipeline.generate_text`: the prompt's token ids, the sampling parameters and the
-    stop strings."""
+    stop strings; for a text or chat prompt also the text that was encoded (and whether with special tokens), which
+    token continuity remembers once the request finished."""
 
     prompt_ids: list[int]
     params: SamplingParams
     stop: list[str]
+    prompt_text: str | None = None  # None: the client sent token ids
+    add_special_tokens: bool = True
 
 
 def check_stop_strings(stop: Sequence[str]) -> None:
@@ -102,10 +106,13 @@ class RequestPreparer:
     Args:
         tokenizer: a :class:`.backend.TokenizerLike`.
         max_model_len: the context limit in tokens (prompt + completion).
+        continuity: a :class:`.token_continuity.TokenContinuity` that encodes text and chat prompts, or None
+            (every prompt is encoded fresh).
     """
 
-    def __init__(self, tokenizer: Any, max_model_len: int) -> None:
+    def __init__(self, tokenizer: Any, max_model_len: int, continuity: Any = None) -> None:
         self.tokenizer = tokenizer
+        self.continuity = continuity
         self.max_model_len = max_model_len
         self.limit = PromptLimit(tokenizer, max_model_len)
         self.vocab_size: int = tokenizer.hf.get_vocab_size(with_added_tokens=True)
@@ -119,22 +126,28 @@ class RequestPreparer:
             APIError: 400 for any of the checks in the module docstring.
             ChatTemplateError: the model's chat template does not compile (a server error).
         """
-        prompt_ids = self.prompt_ids(prompt, param)
-        return PreparedRequest(prompt_ids, self.sampling_params(len(prompt_ids), sampling, param), list(sampling.stop))
-
-    def prompt_ids(self, prompt: str | Sequence[int] | ChatPrompt, param: str = "prompt") -> list[int]:
-        """The prompt's token ids (text and chat prompts are tokenized here). Raises APIError (400)."""
-        if isinstance(prompt, ChatPrompt):
-            ids = encode_chat(self.tokenizer, prompt.messages, self.limit, tools=prompt.tools)
-        elif isinstance(prompt, str):
-            self.limit.check(prompt, param)
-            ids = list(self.tokenizer.encode(prompt, add_special_tokens=True))
-        else:
+        text, add_special = self._prompt_text(prompt, param)
+        if text is None:
             self.check_token_ids(prompt, param)
-            ids = list(prompt)
-        if not ids:  # "" on a tokenizer without BOS, or no token ids
+            prompt_ids = list(prompt)
+        elif self.continuity is not None:
+            prompt_ids = self.continuity.encode(text, add_special)
+        else:
+            prompt_ids = list(self.tokenizer.encode(text, add_special_tokens=add_special))
+        if not prompt_ids:  # "" on a tokenizer without BOS, or no token ids
             raise APIError("The prompt must not be empty.", param=param)
-        return ids
+        return PreparedRequest(prompt_ids, self.sampling_params(len(prompt_ids), sampling, param), list(sampling.stop),
+                               text, add_special)
+
+    def _prompt_text(self, prompt: str | Sequence[int] | ChatPrompt, param: str) -> tuple[str | None, bool]:
+        """(text to encode, with special tokens?) of a text or chat prompt, checked against the context limit;
+        (None, False) for token ids. Raises APIError (400)."""
+        if isinstance(prompt, ChatPrompt):
+            return chat_text(self.tokenizer, prompt.messages, self.limit, tools=prompt.tools)
+        if isinstance(prompt, str):
+            self.limit.check(prompt, param)
+            return prompt, True
+        return None, False
 
     def sampling_params(self, prompt_len: int, sampling: SamplingRequest, param: str = "prompt") -> SamplingParams:
         """:class:`SamplingParams` for a prompt of ``prompt_len`` tokens (and a check of the stop strings).

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from splitserve.cli_help import new_parser
+from splitserve.config_checks import check_push_layer_groups
 from splitserve.env import env_float, env_int
 from splitserve.services.kv_transfer_config import add_kv_pull_args, check_kv_pull, kv_pull_fields
 from splitserve.services.worker_config import WorkerConfig, add_worker_args, worker_fields
@@ -37,5 +38,6 @@ def parse(argv: list[str] | None = None) -> DecodeConfig:
     ap.add_argument("--kv-push-layer-groups", type=int, default=env_int("PD_KV_PUSH_LAYER_GROUPS", 0),
                     help="push mode: layer groups sent as each is computed (0: one per layer; 1: the whole KV at the end)")
     a = ap.parse_args(argv)
+    check_push_layer_groups(a.model, a.kv_push_layer_groups)
     return DecodeConfig(**worker_fields(a), **kv_pull_fields(a), kv_push_timeout_s=a.kv_push_timeout_s,
                         kv_push_layer_groups=a.kv_push_layer_groups)

@@ -13,6 +13,7 @@ from splitserve.services.decode.server import DecodeServicer
 from splitserve.services.worker_process import WorkerServer, start_engine
 from splitserve.kvstore.worker import start_store
 from splitserve.logs import setup_logging
+from splitserve.telemetry.push_metrics import register_push_stats
 from splitserve.telemetry.tracing import setup_tracing
 from splitserve.transfer import create_receiver
 
@@ -33,6 +34,7 @@ async def serve(config: DecodeConfig) -> None:
     )
     worker = await WorkerServer.start("decode", SERVICE, "Decode", decode_pb2_grpc.add_DecodeServiceServicer_to_server,
                                       servicer, engine, config)
+    register_push_stats(servicer.worker.stats)  # splitserve:kv_pushes_received_total
     logger.info(
         "decode worker ready: grpc %s:%d%s, kv transport %s (on failure: %s, checksum %s), model %s, %d KV blocks of %d tokens, "
         "kv store %s, metrics %s",

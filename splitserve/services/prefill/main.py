@@ -13,6 +13,7 @@ from splitserve.services.prefill.server import PrefillServicer
 from splitserve.services.worker_process import WorkerServer, start_engine
 from splitserve.kvstore.worker import start_store
 from splitserve.logs import setup_logging
+from splitserve.telemetry.push_metrics import register_push_stats
 from splitserve.telemetry.stats_collector import register_stats
 from splitserve.telemetry.tracing import setup_tracing
 from splitserve.transfer import create_sender
@@ -34,6 +35,7 @@ async def serve(config: PrefillConfig) -> None:
     held = {"splitserve:kv_leases_held": ("KV transfers held for a decode worker to pull.", lambda: len(servicer.leases))}
     worker = await WorkerServer.start("prefill", SERVICE, "Prefill", prefill_pb2_grpc.add_PrefillServiceServicer_to_server,
                                       servicer, engine, config, gauges=held)
+    register_push_stats(servicer.worker.stats)  # splitserve:kv_pushes_total, kv_push_fallbacks_total, kv_pushes_pending
     if store is not None:  # prefix lookups (hits/misses), cached tokens, store bytes: the KV store client's side
         register_stats("kv_store_client", store.stats, {"kvstore_writes_in_flight"}, doc="KV store client (prefill)")
     logger.info(

@@ -14,6 +14,7 @@ from splitserve.paths import default_model_path
 from splitserve.rpc.keepalive import KeepaliveConfig, add_keepalive_args, keepalive_config
 from splitserve.rpc.shutdown import DEFAULT_GRACE_S, add_shutdown_args, check_grace
 from splitserve.rpc.tls import TlsConfig, add_tls_args, tls_config
+from splitserve.frontend.continuity_args import add_continuity_args, check_continuity_mb
 from splitserve.frontend.http_limits import HttpLimits
 from splitserve.services.router.planner import PlannerConfig, add_planner_args, planner_config
 
@@ -48,6 +49,8 @@ class RouterConfig:
     http: HttpLimits = HttpLimits()  # read deadlines and connection cap of the HTTP listener (PD_HTTP_*)
     planner: PlannerConfig | None = None  # --planner: flips --workers between prefill and decode; None = off
     kv_transfer_mode: str = "direct"  # "push": prefill and decode dispatched at once (push_leg); direct/store: pull
+    chat_token_continuity: bool = True  # prompts continuing an earlier prompt + completion reuse its token ids
+    chat_token_continuity_mb: int = 64  # memory of the remembered texts and token ids, MiB
 
     def __post_init__(self) -> None:
         check_grace(self.shutdown_grace_s)
@@ -75,6 +78,7 @@ class RouterConfig:
             raise ValueError(f"--decode-migrations must be >= 0 (0: off), got {self.decode_migrations}")
         if self.kv_transfer_mode not in TRANSFER_MODES:
             raise ValueError(f"--kv-transfer-mode must be one of {', '.join(TRANSFER_MODES)}, got {self.kv_transfer_mode!r}")
+        check_continuity_mb(self.chat_token_continuity_mb)
         if self.request_timeout_s is not None and self.request_timeout_s <= 0:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
 
@@ -147,6 +151,7 @@ def parse(argv: list[str] | None = None) -> RouterConfig:
     ap.add_argument("--kv-transfer-mode", default=env_choice("PD_KV_TRANSFER_MODE", TRANSFER_MODES, "direct"), choices=TRANSFER_MODES,
                     help="push: dispatch prefill and decode at once, the prefill worker writes the KV into the decode "
                          "worker's blocks layer by layer; direct/store: the decode worker reads it after the prefill")
+    add_continuity_args(ap)
     add_tls_args(ap)
     add_keepalive_args(ap)
     add_shutdown_args(ap)
@@ -168,5 +173,6 @@ def parse(argv: list[str] | None = None) -> RouterConfig:
         api_key=a.api_key, tls=tls_config(a), decode_stall_timeout_s=a.decode_stall_timeout_s,
         keepalive=keepalive_config(a), shutdown_grace_s=a.shutdown_grace_s, http=HttpLimits.from_env(),
         planner=planner_config(a),
-        kv_transfer_mode=a.kv_transfer_mode,
+        kv_transfer_mode=a.kv_transfer_mode, chat_token_continuity=a.chat_token_continuity,
+        chat_token_continuity_mb=a.chat_token_continuity_mb,
     )

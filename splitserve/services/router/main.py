@@ -11,6 +11,7 @@ from splitserve.services.router.routing import build_backend, workers_route
 from splitserve.services.router.config import RouterConfig, parse
 from splitserve.services.router.planner_loop import Planner
 from splitserve.frontend.grpc_api import RouterServicer
+from splitserve.frontend.continuity_args import build_continuity
 from splitserve.frontend.draining import DrainMiddleware
 from splitserve.frontend.http_app import build_app
 from splitserve.frontend.http_server import http_server
@@ -43,6 +44,7 @@ async def serve(config: RouterConfig) -> None:
         served, backend, extra_routes=[metrics_route("frontend", "router", *(["planner"] if planner else [])),
                                        workers_route(backend, planner=planner)],
         api_key=config.api_key, request_timeout_s=config.request_timeout_s,
+        token_continuity=build_continuity(served.tokenizer, config.chat_token_continuity, config.chat_token_continuity_mb),
     )), drain)
     http = http_server(app, config.host, config.http_port, config.http)  # read deadlines, connection cap (PD_HTTP_*)
     http_task = asyncio.create_task(http.serve())

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from splitserve.cli_help import new_parser
+from splitserve.config_checks import check_push_layer_groups
 from splitserve.env import env_choice, env_float, env_int
 from splitserve.services.kv_transfer_config import (add_kv_pull_args, add_kv_source_args, check_kv_pull, check_kv_source,
                                                     kv_pull_fields, kv_source_fields)
@@ -60,5 +61,6 @@ def parse(argv: list[str] | None = None) -> RoleWorkerConfig:
     ap.add_argument("--kv-push-layer-groups", type=int, default=env_int("PD_KV_PUSH_LAYER_GROUPS", 0),
                     help="push mode, as decode: layer groups sent as each is computed (0: one per layer; 1: the whole KV at the end)")
     a = ap.parse_args(argv)
+    check_push_layer_groups(a.model, a.kv_push_layer_groups)
     return RoleWorkerConfig(**worker_fields(a), role=a.role, role_switch_grace_s=a.role_switch_grace_s,
                             **kv_source_fields(a), **kv_pull_fields(a), kv_push_layer_groups=a.kv_push_layer_groups)

@@ -20,6 +20,7 @@ from splitserve.services.worker.roles import DECODE, PREFILL, RoleState
 from splitserve.services.worker.server import RoleDecodeServicer, RolePrefillServicer, RoleServicer
 from splitserve.services.worker_process import WorkerServer, start_engine
 from splitserve.telemetry.exposition import start_worker_metrics
+from splitserve.telemetry.push_metrics import register_push_stats
 from splitserve.telemetry.stats_collector import register_stats
 from splitserve.telemetry.tracing import setup_tracing
 from splitserve.transfer import create_receiver, create_sender
@@ -65,6 +66,7 @@ async def serve(config: RoleWorkerConfig) -> None:
         "splitserve:worker_role_switches": ("Role changes since start.", lambda: float(roles.switches)),
     }
     metrics = start_worker_metrics("elastic", engine, config.host, config.metrics_port, gauges=gauges)
+    register_push_stats(prefill.worker.stats, decode.worker.stats)  # both roles' push counters
     if prefill_store is not None:
         register_stats("kv_store_client", prefill_store.stats, {"kvstore_writes_in_flight"}, doc="KV store client (prefill)")
     worker = WorkerServer("elastic", PREFILL_SERVICE, server, health, drain, port, metrics, engine,
