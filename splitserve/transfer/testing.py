@@ -27,18 +27,23 @@ from splitserve.transfer.layout import KVLayout
 
 @contextlib.asynccontextmanager
 async def transfer_pair(transport: str, layout: KVLayout, num_blocks: int, salt: int = 0, *, verify_checksum: bool = False,
+                        device: str = "cpu", staging: str | None = None,
                         **sender_options: Any) -> AsyncIterator[tuple[Any, Any, torch.Tensor, torch.Tensor]]:
     """A started KV sender over a pool of ``num_blocks`` blocks filled with :func:`fill_pattern` (``salt``) and a
     started receiver over a zeroed pool of as many, both of ``transport``; yields ``(sender, receiver, src, dst)``
     (the pools: ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``) and closes both on exit.
-    ``sender_options`` go to ``create_sender`` (e.g. ``host``, ``corrupt_sends``)."""
+    ``sender_options`` go to ``create_sender`` (e.g. ``host``, ``corrupt_sends``). ``device``: where both pools live;
+    ``staging``: both sides' staging choice (None: ``PD_KV_TRANSFER_STAGING``)."""
     from splitserve.transfer.base import create_receiver, create_sender
 
-    src = allocate_kv_cache(layout, num_blocks)
+    src = allocate_kv_cache(layout, num_blocks, device)
     fill_pattern(src, salt=salt)
-    dst = allocate_kv_cache(layout, num_blocks)
+    dst = allocate_kv_cache(layout, num_blocks, device)
+    if staging is not None:
+        sender_options["staging"] = staging
     sender = create_sender(transport, src, layout, **sender_options)
-    receiver = create_receiver(transport, dst, layout, verify_checksum=verify_checksum)
+    receiver = create_receiver(transport, dst, layout, verify_checksum=verify_checksum,
+                               **({} if staging is None else {"staging": staging}))
     await sender.start()
     try:
         await receiver.start()
@@ -64,7 +69,7 @@ def _block_offset(block_id: int, salt: int) -> int:
 def fill_pattern(kv_cache: torch.Tensor, salt: int = 0) -> None:
     """Give every block a distinct, reproducible byte pattern (depends on block id and ``salt``)."""
     flat = byte_view(kv_cache).view(kv_cache.shape[0], -1)
-    base = _base_pattern(flat.shape[1])
+    base = _base_pattern(flat.shape[1]).to(kv_cache.device)
     for b in range(flat.shape[0]):
         torch.add(base, _block_offset(b, salt), out=flat[b])  # uint8 arithmetic wraps mod 256
 
