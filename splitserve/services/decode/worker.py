@@ -213,7 +213,7 @@ class DecodeWorker:
             raise InvalidRequest(f"{len(first)} first tokens for n={job.params.n} choices")
         if not h.transfer_id or not h.endpoint or not h.block_ids:
             raise InvalidRequest("kv_handle needs transfer_id, endpoint and block_ids")
-        self.engine.layout.check_compatible(h.layout)
+        self.engine.layout.on_device(self.engine.kv_cache.device.type).check_compatible(h.layout)
         if h.transport != self.transport:
             raise InvalidRequest(f"KV handle transport {h.transport!r}; this worker receives over {self.transport!r}")
         n = len(job.prompt_token_ids)
