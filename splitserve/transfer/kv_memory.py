@@ -141,6 +141,23 @@ class KVMemory:
         view = self._view(start * self.block_nbytes, count * self.block_nbytes)
         return view if self._host is not None else as_host(view)
 
+    def gather(self, block_ids: list[int]) -> np.ndarray:
+        """A new host buffer (pinned when CUDA is available) holding blocks ``block_ids`` in order (``len(block_ids) *
+        block_nbytes`` bytes); reads device memory only after :meth:`ready`."""
+        bn = self.block_nbytes
+        out = host_buffer(len(block_ids) * bn)
+        self.ready()
+        for i, b in enumerate(block_ids):
+            _copy(out[i * bn : (i + 1) * bn], self._view(b * bn, bn))
+        return out
+
+    def scatter(self, block_ids: list[int], buf: np.ndarray) -> None:
+        """Write host ``buf`` (from :meth:`gather` or a receive: ``len(block_ids) * block_nbytes`` bytes) into blocks
+        ``block_ids`` in order."""
+        bn = self.block_nbytes
+        for i, b in enumerate(block_ids):
+            _copy(self._view(b * bn, bn), buf[i * bn : (i + 1) * bn])
+
     def pack(self, block_id: int, stop: int, first: int = 0) -> np.ndarray:
         """Token rows ``[first, stop)`` of a block, packed into a new host array (see :func:`pack_rows`)."""
         if self._host is not None:
@@ -163,6 +180,12 @@ class KVMemory:
             self._host[offset] ^= 0xFF
         else:
             self._flat[offset : offset + 1].bitwise_xor_(0xFF)
+
+
+def _copy(dst, src) -> None:
+    """Copy between flat uint8 buffers (numpy arrays or torch tensors of any device)."""
+    as_tensor = lambda b: torch.from_numpy(b) if isinstance(b, np.ndarray) else b  # noqa: E731
+    as_tensor(dst).copy_(as_tensor(src))
 
 
 def checksum(parts) -> int:

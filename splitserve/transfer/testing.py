@@ -87,18 +87,20 @@ def block_bytes(kv_cache: torch.Tensor, block_id: int) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------ process
 
 
-def _child_main(conn, layout_fields: dict, num_blocks: int, salt: int, env: dict, kind: str, options: dict) -> None:
+def _child_main(conn, layout_fields: dict, num_blocks: int, salt: int, env: dict, kind: str, options: dict,
+                device: str = "cpu") -> None:
     os.environ.update(env)
     from splitserve.transfer.ucx_runtime import apply_ucx_env_defaults
 
     apply_ucx_env_defaults()
-    asyncio.run(_child_async(conn, KVLayout(**layout_fields), num_blocks, salt, kind, options))
+    asyncio.run(_child_async(conn, KVLayout(**layout_fields), num_blocks, salt, kind, options, device))
 
 
-async def _child_async(conn, layout: KVLayout, num_blocks: int, salt: int, kind: str, options: dict) -> None:
+async def _child_async(conn, layout: KVLayout, num_blocks: int, salt: int, kind: str, options: dict,
+                       device: str = "cpu") -> None:
     from splitserve.transfer import create_sender
 
-    pool = allocate_kv_cache(layout, num_blocks)
+    pool = allocate_kv_cache(layout, num_blocks, device)
     fill_pattern(pool, salt)
     sender = create_sender(kind, pool, layout, host="127.0.0.1", port=0, **options)
     await sender.start()
@@ -125,6 +127,8 @@ async def _child_async(conn, layout: KVLayout, num_blocks: int, salt: int, kind:
                 conn.send(("ok", list(events)))
             elif cmd == "stats":
                 conn.send(("ok", dataclasses.asdict(sender.stats)))
+            elif cmd == "path":  # the sender's KV path ("host", "cuda", "staged")
+                conn.send(("ok", sender.path))
             elif cmd == "push_open":  # (bootstrap id, num blocks): a push source, as a prefill worker opens one
                 bid, nblocks = args
                 sources[bid] = sender.open_push(bid, nblocks)
@@ -147,7 +151,7 @@ async def _child_async(conn, layout: KVLayout, num_blocks: int, salt: int, kind:
 
 
 class SenderProcess:
-    """A KV sender in a spawned child process (``kind`` "ucx" by default)."""
+    """A KV sender in a spawned child process (``kind`` "ucx" by default) over a pool on ``device``."""
 
     def __init__(
         self,
@@ -158,6 +162,7 @@ class SenderProcess:
         env: dict[str, str] | None = None,
         kind: str = "ucx",
         options: dict[str, Any] | None = None,
+        device: str = "cpu",
     ) -> None:
         self.layout = layout
         self.salt = salt
@@ -165,7 +170,7 @@ class SenderProcess:
         self._conn, child_conn = ctx.Pipe()
         self.proc = ctx.Process(
             target=_child_main,
-            args=(child_conn, dataclasses.asdict(layout), num_blocks, salt, dict(env or {}), kind, dict(options or {})),
+            args=(child_conn, dataclasses.asdict(layout), num_blocks, salt, dict(env or {}), kind, dict(options or {}), device),
             daemon=True,
         )
         self.endpoint: str | None = None
@@ -215,6 +220,10 @@ class SenderProcess:
 
     def stats(self) -> dict[str, int]:
         return self._call("stats")
+
+    def path(self) -> str:
+        """The sender's KV path (:mod:`splitserve.transfer.paths`)."""
+        return self._call("path")
 
     def pause(self) -> None:
         os.kill(self.proc.pid, signal.SIGSTOP)
