@@ -151,13 +151,6 @@ class KVMemory:
             _copy(out[i * bn : (i + 1) * bn], self._view(b * bn, bn))
         return out
 
-    def scatter(self, block_ids: list[int], buf: np.ndarray) -> None:
-        """Write host ``buf`` (from :meth:`gather` or a receive: ``len(block_ids) * block_nbytes`` bytes) into blocks
-        ``block_ids`` in order."""
-        bn = self.block_nbytes
-        for i, b in enumerate(block_ids):
-            _copy(self._view(b * bn, bn), buf[i * bn : (i + 1) * bn])
-
     def pack(self, block_id: int, stop: int, first: int = 0) -> np.ndarray:
         """Token rows ``[first, stop)`` of a block, packed into a new host array (see :func:`pack_rows`)."""
         if self._host is not None:

@@ -143,7 +143,7 @@ class UcxKVSender(KVSender):
             # Serves only blocks registered under this id (registered ids are range-checked).
             status, reg, detail = self._table.claim(req.transfer_id, req.runs)
         # Post the STATUS and every segment now (no loop hop before the bytes start moving).
-        bn, bs = self._block_nbytes, self._partial.block_size
+        bs = self._partial.block_size
         nbytes = 0
         checksum = None
         parts = []  # the bytes of each segment, in tag order (a partly held first / partial last block: packed rows)
