@@ -79,12 +79,14 @@ async def pull_from_peer(peer_device: str, num_tokens: int) -> tuple[str, str]:
         peer.stop()
 
 
+@pytest.mark.process  # spawns a KV sender process
 async def test_cuda_to_cuda_pull_takes_the_cuda_path():
     sender_path, receiver_path = await pull_from_peer("cuda", 5 * B + 3)
     print(f"sender path={sender_path} receiver path={receiver_path}")
     assert (sender_path, receiver_path) == ("cuda", "cuda")
 
 
+@pytest.mark.process  # spawns a KV sender process
 async def test_host_cache_feeds_a_cuda_cache():
     assert await pull_from_peer("cpu", 4 * B) == ("host", "cuda")
 
