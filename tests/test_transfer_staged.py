@@ -137,6 +137,9 @@ async def test_kv_store_staged_save_and_load(tail_rows):
     fill_pattern(src, SALT)
     writer, reader = KVBlockStore(client, src, LAYOUT, staging="always"), KVBlockStore(client, dst, LAYOUT, staging="always")
     assert writer.path == reader.path == "staged"
+    assert KVBlockStore(client, src, LAYOUT, staging="never").path == "host"
+    with pytest.raises(ValueError, match="staging"):
+        KVBlockStore(client, src, LAYOUT, staging="sometimes")
     keys = ["a", "b", "c"]
     assert (await writer.finish_save(keys, await writer.begin_save(keys, tail_rows), [1, 2, 3], tail_rows)).written == keys
     assert await reader.load(await reader.lookup_prefix(keys), [5, 6, 7], None, tail_rows) == 3

@@ -28,7 +28,7 @@ from splitserve.telemetry.store import observe_store_op, record_lookup
 from splitserve.transfer.kv_memory import KVMemory, host_buffer
 from splitserve.transfer.layout import KVLayout
 from splitserve.transfer.partial_block import PartialBlock
-from splitserve.transfer.paths import choose_path, staging_from_env
+from splitserve.transfer.paths import check_staging, staging_from_env
 
 logger = logging.getLogger("splitserve.kvstore")
 
@@ -44,8 +44,9 @@ class KVBlockStore:
     ``counters`` (plain ints, event-loop thread): lookups, lookup_errors, hit_blocks, loaded_blocks,
     lease_expired, checksum_mismatch, read_failed, saved_blocks, save_existed, save_failed.
 
-    ``staging`` (None: ``PD_KV_TRANSFER_STAGING``): "auto" stages only a CUDA cache, "always" a host cache too,
-    "never" refuses a CUDA cache (ValueError). :attr:`path` is "host" or "staged".
+    ``staging`` (None: ``PD_KV_TRANSFER_STAGING``): a CUDA cache is always staged (whatever the setting: objects are
+    checksummed on the host); "always" stages a host cache too. :attr:`path` is "host" or "staged". Raises ValueError
+    on an unknown ``staging``.
     """
 
     def __init__(self, client: KVStoreClient, kv_cache: torch.Tensor, layout: KVLayout, salt: str = "",
@@ -57,8 +58,8 @@ class KVBlockStore:
         self.hasher = BlockHasher(layout, salt)
         self._kv = kv_cache  # keeps the memory behind the views alive
         self._partial = PartialBlock(layout)
-        # no CUDA transport is offered: store objects are checksummed on the host, so device memory is staged
-        path = choose_path(kv_cache.device.type, frozenset(), staging_from_env() if staging is None else staging)
+        staging = staging_from_env() if staging is None else check_staging(staging)
+        path = "staged" if kv_cache.device.type != "cpu" or staging == "always" else "host"
         self._mem = KVMemory(kv_cache, self._partial, path)
         self.path = path
         self.counters: Counter[str] = Counter()
