@@ -203,9 +203,9 @@ async def test_metrics_of_every_service_parse_and_move(traced):
     assert moved("router", "splitserve:disagg_decisions_total", decision="remote_prefill") == 1
     cfg = load_model(default_model_path()).config
     kv_bytes = prompt_tokens * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4  # the used token rows only
-    assert moved("prefill-0", "splitserve:kv_transfer_bytes_total", direction="send", transport="ucx") == kv_bytes
-    assert moved("decode-0", "splitserve:kv_transfer_bytes_total", direction="receive", transport="ucx") == kv_bytes
-    assert moved("decode-0", "splitserve:kv_transfer_seconds_count", direction="receive", transport="ucx") == 1
+    assert moved("prefill-0", "splitserve:kv_transfer_bytes_total", direction="send", transport="ucx", path="host") == kv_bytes
+    assert moved("decode-0", "splitserve:kv_transfer_bytes_total", direction="receive", transport="ucx", path="host") == kv_bytes
+    assert moved("decode-0", "splitserve:kv_transfer_seconds_count", direction="receive", transport="ucx", path="host") == 1
     assert moved("prefill-0", "splitserve:request_prefill_time_seconds_count") == 1
     assert moved("decode-0", "splitserve:request_decode_time_seconds_count") == 1
     assert value(after["decode-0"], "splitserve:kv_blocks_free") > 0

@@ -167,8 +167,8 @@ async def test_transfer_send_span_is_child_of_receive_span(spans):
     sender, receiver = create_sender("inproc", src, LAYOUT), create_receiver("inproc", dst, LAYOUT)
     await sender.start()
     await receiver.start()
-    sent0 = sample("splitserve:kv_transfer_bytes_total", direction="send", transport="inproc")
-    received0 = sample("splitserve:kv_transfer_bytes_total", direction="receive", transport="inproc")
+    sent0 = sample("splitserve:kv_transfer_bytes_total", direction="send", transport="inproc", path="host")
+    received0 = sample("splitserve:kv_transfer_bytes_total", direction="receive", transport="inproc", path="host")
     try:
         sender.register("t1", [1, 2, 3], lambda tid, ok: None)
         with observe_receive("inproc", sender.endpoint, "t1", 3) as obs:
@@ -186,9 +186,9 @@ async def test_transfer_send_span_is_child_of_receive_span(spans):
     assert received[0].attributes["splitserve.kv.bytes"] == nbytes and received[0].attributes["splitserve.kv.gbps"] > 0
     assert send.attributes["splitserve.kv.blocks"] == 3
     assert spans.is_error(received[1]) and not spans.is_error(received[0])
-    assert sample("splitserve:kv_transfer_bytes_total", direction="send", transport="inproc") == sent0 + nbytes
-    assert sample("splitserve:kv_transfer_bytes_total", direction="receive", transport="inproc") == received0 + nbytes
-    assert sample("splitserve:kv_transfers_total", direction="receive", transport="inproc", outcome="error") >= 1
+    assert sample("splitserve:kv_transfer_bytes_total", direction="send", transport="inproc", path="host") == sent0 + nbytes
+    assert sample("splitserve:kv_transfer_bytes_total", direction="receive", transport="inproc", path="host") == received0 + nbytes
+    assert sample("splitserve:kv_transfers_total", direction="receive", transport="inproc", path="host", outcome="error") >= 1
 
 
 async def test_trace_context_for_the_ucx_control_message(spans):

@@ -4,6 +4,10 @@ Object bytes are the block's bytes in the cache layout ``[num_layers, 2, block_s
 head_dim]`` (``KVLayout.block_nbytes``); UCX reads and writes them straight from and into the cache's
 preallocated memory. A request's partial last block (``tail_rows`` tokens, store transfer mode) is one object
 of its used token rows only, packed (:mod:`splitserve.transfer.partial_block`): ``tail_rows`` tokens' bytes.
+The cache may be in host or CUDA memory. A host cache is read and written in place; a CUDA cache goes through one
+host staging buffer per load or save (pinned when CUDA is available): blocks are copied out of the device before a
+save and into the device blocks once a load was verified -- every object is checksummed on the host anyway, so a
+direct device read would need that copy too (``PD_KV_TRANSFER_STAGING=always`` stages a host cache the same way).
 Every method is failure-tolerant in the way prefix caching needs: a lookup or read that fails
 costs recomputation, never a wrong token (each block read is checked against its read lease and checksum before it is used).
 """
@@ -20,10 +24,11 @@ import torch
 from splitserve.errors import ChecksumMismatch, LeaseExpired, ObjectNotReady, PdError
 from splitserve.kvstore.block_hash import BlockHasher
 from splitserve.kvstore.client import KVStoreClient, ObjectLocation, PutReport, PutTicket
-from splitserve.transfer.kv_cache import byte_view
 from splitserve.telemetry.store import observe_store_op, record_lookup
+from splitserve.transfer.kv_memory import KVMemory, host_buffer
 from splitserve.transfer.layout import KVLayout
-from splitserve.transfer.partial_block import PartialBlock, pack_rows, unpack_rows
+from splitserve.transfer.partial_block import PartialBlock
+from splitserve.transfer.paths import check_staging, staging_from_env
 
 logger = logging.getLogger("splitserve.kvstore")
 
@@ -38,17 +43,25 @@ class KVBlockStore:
 
     ``counters`` (plain ints, event-loop thread): lookups, lookup_errors, hit_blocks, loaded_blocks,
     lease_expired, checksum_mismatch, read_failed, saved_blocks, save_existed, save_failed.
+
+    ``staging`` (None: ``PD_KV_TRANSFER_STAGING``): a CUDA cache is always staged (whatever the setting: objects are
+    checksummed on the host); "always" stages a host cache too. :attr:`path` is "host" or "staged". Raises ValueError
+    on an unknown ``staging``.
     """
 
-    def __init__(self, client: KVStoreClient, kv_cache: torch.Tensor, layout: KVLayout, salt: str = "") -> None:
+    def __init__(self, client: KVStoreClient, kv_cache: torch.Tensor, layout: KVLayout, salt: str = "",
+                 staging: str | None = None) -> None:
         self.client = client
         self.layout = layout
         self.block_size = layout.block_size
         self.block_nbytes = layout.block_nbytes
         self.hasher = BlockHasher(layout, salt)
         self._kv = kv_cache  # keeps the memory behind the views alive
-        self._bytes = byte_view(kv_cache).numpy()
         self._partial = PartialBlock(layout)
+        staging = staging_from_env() if staging is None else check_staging(staging)
+        path = "staged" if kv_cache.device.type != "cpu" or staging == "always" else "host"
+        self._mem = KVMemory(kv_cache, self._partial, path)
+        self.path = path
         self.counters: Counter[str] = Counter()
 
     def keys(self, token_ids: list[int]) -> list[str]:
@@ -56,8 +69,17 @@ class KVBlockStore:
         return self.hasher.keys(token_ids)
 
     def block(self, block_id: int) -> np.ndarray:
-        """The bytes of one block of the cache (a view)."""
-        return self._bytes[block_id * self.block_nbytes : (block_id + 1) * self.block_nbytes]
+        """The bytes of one block of the cache: a view (host path) or a host copy (staged path)."""
+        return self._mem.host_blocks(block_id, 1) if self._mem.in_place else self._mem.gather([block_id])
+
+    def _buffers(self, block_ids: list[int], save: bool) -> list[np.ndarray]:
+        """One host buffer per block: views of the cache (host path), else slices of one staging buffer (holding
+        the blocks' bytes when ``save``) -- adjacent slices go as one UCX message either way."""
+        if self._mem.in_place:
+            return [self._mem.host_blocks(b, 1) for b in block_ids]
+        bn = self.block_nbytes
+        stage = self._mem.gather(block_ids) if save else host_buffer(len(block_ids) * bn)
+        return [stage[i * bn : (i + 1) * bn] for i in range(len(block_ids))]
 
     # ---------------------------------------------------------------- reads
     async def lookup_prefix(self, keys: list[str]) -> list[ObjectLocation]:
@@ -116,7 +138,7 @@ class KVBlockStore:
         packed rows ``[0, tail_rows)`` (see :meth:`finish_save`), unpacked into its block once verified."""
         if not locations:
             return 0
-        dsts = [self.block(b) for b in block_ids[: len(locations)]]
+        dsts = self._buffers(block_ids[: len(locations)], save=False)
         staging = None
         if tail_rows:
             self._partial.check_rows(tail_rows)
@@ -128,8 +150,12 @@ class KVBlockStore:
                 if err is not None:
                     break
                 n += 1
+            whole = n - 1 if staging is not None and n == len(locations) else n  # verified whole blocks
+            if not self._mem.in_place:
+                for b, dst in zip(block_ids[:whole], dsts[:whole]):
+                    self._mem.land(b * self.block_nbytes, dst)
             if staging is not None and n == len(locations):
-                unpack_rows(self._partial, self._bytes, block_ids[n - 1], tail_rows, staging)
+                self._mem.unpack(block_ids[n - 1], tail_rows, staging)
             obs.nbytes = sum(d.nbytes for d in dsts[:n])
         for loc, err in zip(locations[n:], errors[n:]):
             if err is None:
@@ -155,9 +181,11 @@ class KVBlockStore:
                           tail_rows: int = 0) -> PutReport:
         """Write the blocks of the open tickets and publish them (PutEnd), revoking what failed. ``tail_rows``
         > 0 (as given to :meth:`begin_save`): the last block's rows ``[0, tail_rows)`` are written, packed."""
-        srcs = [self.block(b) for b in block_ids]
+        self._mem.ready()  # a CUDA cache: the engine's KV writes are done before bytes are copied out
         if tail_rows:
-            srcs[-1] = pack_rows(self._partial, self._bytes, block_ids[-1], tail_rows)
+            srcs = self._buffers(block_ids[:-1], save=True) + [self._mem.pack(block_ids[-1], tail_rows)]
+        else:
+            srcs = self._buffers(block_ids, save=True)
         with observe_store_op("put", len(keys)) as obs:
             report = await self.client.finish_put(keys, tickets, srcs)
             written = set(report.written)

@@ -169,8 +169,9 @@ def layout_to_proto(layout: KVLayout) -> common_pb2.KVLayout:
         head_dim=layout.head_dim,
         block_size=layout.block_size,
         dtype=layout.dtype,
+        device=layout.device,
     )
 
 
 def layout_from_proto(msg: common_pb2.KVLayout) -> KVLayout:
-    return KVLayout(msg.model_id, msg.num_layers, msg.num_kv_heads, msg.head_dim, msg.block_size, msg.dtype)
+    return KVLayout(msg.model_id, msg.num_layers, msg.num_kv_heads, msg.head_dim, msg.block_size, msg.dtype, msg.device)

@@ -10,10 +10,11 @@ layer group by layer group as the prefill computes it: :func:`observe_push_layer
 ``kv.push.layers`` span, a child of the push's ``kv.send`` (attributes ``splitserve.kv.first_layer``,
 ``.end_layer`` (exclusive), ``.blocks``, ``.bytes``, ``.transfer_id``).
 
-Span attributes: ``splitserve.kv.transfer_id``, ``.transport``, ``.blocks``, ``.bytes``,
+Span attributes: ``splitserve.kv.transfer_id``, ``.transport``, ``.path``, ``.blocks``, ``.bytes``,
 ``.duration_s``, ``.gbps`` (decimal GB/s), ``server.address`` (receiver side: the sender's
 data-plane endpoint). Metrics: ``splitserve:kv_transfer_seconds``, ``splitserve:kv_transfer_bytes_total``,
-``splitserve:kv_transfers_total`` by direction, transport and outcome.
+``splitserve:kv_transfers_total`` by direction, transport, path and outcome. ``path`` is how the bytes met this
+side's KV cache: ``host``, ``cuda`` or ``staged`` (:mod:`splitserve.transfer.paths`).
 """
 
 from __future__ import annotations
@@ -32,12 +33,14 @@ from splitserve.telemetry.tracing import tracer
 
 
 class TransferObservation:
-    """One transfer being measured. Set :attr:`nbytes` (receiver) or pass it to :meth:`finish`."""
+    """One transfer being measured. Set :attr:`nbytes` (receiver) or pass it to :meth:`finish`; :attr:`path` may be
+    set until then."""
 
-    def __init__(self, span, direction: str, transport: str, clock: Callable[[], float]) -> None:
+    def __init__(self, span, direction: str, transport: str, clock: Callable[[], float], path: str = "host") -> None:
         self.span = span
         self.direction = direction
         self.transport = transport
+        self.path = path
         self.clock = clock
         self.start = clock()
         self.nbytes = 0
@@ -54,9 +57,9 @@ class TransferObservation:
         seconds = self.clock() - self.start
         exc = error if isinstance(error, BaseException) else (RuntimeError(error) if error else None)
         outcome = "ok" if ok else outcome_of(exc or RuntimeError("transfer failed"), None)
-        labels = (self.direction, self.transport)
+        labels = (self.direction, self.transport, self.path)
         m.KV_TRANSFERS.labels(*labels, outcome).inc()
-        attrs = {"splitserve.kv.duration_s": seconds}
+        attrs = {"splitserve.kv.duration_s": seconds, "splitserve.kv.path": self.path}
         if ok:
             m.KV_TRANSFER_TIME.labels(*labels).observe(seconds)
             m.KV_TRANSFER_BYTES.labels(*labels).inc(self.nbytes)
@@ -71,12 +74,13 @@ def _attributes(transport: str, transfer_id: str, num_blocks: int) -> dict:
 
 
 @contextmanager
-def observe_receive(transport: str, endpoint: str, transfer_id: str, num_blocks: int, clock: Callable[[], float] = time.perf_counter):
+def observe_receive(transport: str, endpoint: str, transfer_id: str, num_blocks: int, clock: Callable[[], float] = time.perf_counter,
+                    path: str = "host"):
     """Measure a pull; set ``obs.nbytes`` to the bytes received inside the block. An exception
-    (or cancellation) leaving the block fails the transfer."""
+    (or cancellation) leaving the block fails the transfer. ``path``: the receiver's KV path."""
     attrs = {**_attributes(transport, transfer_id, num_blocks), "server.address": endpoint}
     span = tracer().start_span("kv.receive", kind=SpanKind.CLIENT, attributes=attrs)
-    obs = TransferObservation(span, "receive", transport, clock)
+    obs = TransferObservation(span, "receive", transport, clock, path)
     try:
         with trace.use_span(span, end_on_exit=False, record_exception=False, set_status_on_exception=False):
             yield obs
@@ -94,7 +98,7 @@ def observe_push_layers(send: TransferObservation, transfer_id: str, first_layer
     attrs = {**_attributes(send.transport, transfer_id, num_blocks), "splitserve.kv.first_layer": first_layer,
              "splitserve.kv.end_layer": end_layer}
     span = tracer().start_span("kv.push.layers", context=trace.set_span_in_context(send.span), attributes=attrs)
-    obs = TransferObservation(span, "send", send.transport, send.clock)
+    obs = TransferObservation(span, "send", send.transport, send.clock, send.path)
     try:
         yield obs
     except BaseException as exc:
@@ -104,8 +108,9 @@ def observe_push_layers(send: TransferObservation, transfer_id: str, first_layer
 
 
 def start_send(transport: str, transfer_id: str, num_blocks: int, trace_context: str = "",
-               clock: Callable[[], float] = time.perf_counter) -> TransferObservation:
-    """Start measuring the serving of one pull; ``trace_context`` is the receiver's (may be "")."""
+               clock: Callable[[], float] = time.perf_counter, path: str = "host") -> TransferObservation:
+    """Start measuring the serving of one pull; ``trace_context`` is the receiver's (may be ""); ``path``: the
+    sender's KV path."""
     span = tracer().start_span("kv.send", context=context_from(trace_context), kind=SpanKind.SERVER,
                                attributes=_attributes(transport, transfer_id, num_blocks))
-    return TransferObservation(span, "send", transport, clock)
+    return TransferObservation(span, "send", transport, clock, path)

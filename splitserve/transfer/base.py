@@ -10,6 +10,10 @@ Backends (``kind``):
 * ``"ucx"``    -- :mod:`splitserve.transfer.ucx`, real processes over UCX (ucxx), zero staging copies (but for a partial last block's used rows).
 * ``"inproc"`` -- :mod:`splitserve.transfer.inproc`, sender and receiver in one process (unit tests).
 
+The KV cache may be in host or CUDA memory (the device is taken from the tensor); each side moves its bytes on one
+*path*, ``host``, ``cuda`` or ``staged`` (:mod:`splitserve.transfer.paths`; option ``staging`` of both backends,
+default ``PD_KV_TRANSFER_STAGING`` or "auto").
+
 Backends are imported lazily, so importing this module never initialises UCX.
 
 Errors raised by :meth:`KVReceiver.fetch` (all :class:`splitserve.errors.PdError`):
@@ -84,6 +88,8 @@ class KVSender(ABC):
 
     stats: TransferStats
     push_table: PushTable  # push subscriptions and sources (:mod:`splitserve.transfer.push`)
+    #: how KV bytes meet this side's cache: "host", "cuda" or "staged" (:mod:`splitserve.transfer.paths`)
+    path: str = "host"
 
     def open_push(self, bootstrap_id: str, num_blocks: int, wait_s: float | None = None) -> PushSource:
         """Start pushing a prompt of ``num_blocks`` KV blocks to the decode worker that subscribes (or subscribed)
@@ -120,6 +126,8 @@ class KVReceiver(ABC):
     """Decode side: pulls remote blocks into the local KV cache."""
 
     stats: TransferStats
+    #: how KV bytes meet this side's cache: "host", "cuda" or "staged" (:mod:`splitserve.transfer.paths`)
+    path: str = "host"
 
     @abstractmethod
     async def start(self) -> None:
@@ -195,13 +203,13 @@ def create_sender(
 ) -> KVSender:
     """Create (not start) a sender serving ``kv_cache``. ``host`` is the advertised host (a wildcard such as
     0.0.0.0 is replaced by this machine's address); ``port`` 0 picks a free one. Extra keyword options go to the backend
-    (ucx: ``send_timeout_s``; all: ``corrupt_sends``, fault injection for tests, see
+    (ucx: ``send_timeout_s``; all: ``staging``, ``corrupt_sends`` -- fault injection for tests, see
     :mod:`splitserve.transfer.faults`)."""
     return _backend(kind, 1)(kv_cache, layout, host=host, port=port, **options)
 
 
 def create_receiver(kind: str, kv_cache: torch.Tensor, layout: KVLayout, **options) -> KVReceiver:
     """Create (not start) a receiver writing into ``kv_cache``. Extra keyword options go to the backend
-    (all: ``verify_checksum`` -- ask the sender for a checksum of every transfer and verify it; ucx:
+    (all: ``verify_checksum`` -- ask the sender for a checksum of every transfer and verify it; ``staging``; ucx:
     ``cancel_grace_s``)."""
     return _backend(kind, 2)(kv_cache, layout, **options)

@@ -2,7 +2,9 @@
 
 Senders live in a process-global registry keyed by their endpoint string; ``fetch`` looks the sender up
 and copies tensor slices directly (one copy, segment by segment). There is nothing to cancel: a copy
-either happened before ``fetch`` returned or not at all.
+either happened before ``fetch`` returned or not at all. Pools may be in host or CUDA memory (torch copies between
+them); ``staging="always"`` routes every copy through host staging buffers like the UCX ``staged`` path
+(:mod:`splitserve.transfer.paths`).
 """
 
 from __future__ import annotations
@@ -26,8 +28,10 @@ from splitserve.transfer.common import (
     parse_endpoint,
 )
 from splitserve.transfer.kv_cache import byte_view, check_cache
+from splitserve.transfer.kv_memory import KVMemory, as_host, checksum as parts_checksum
 from splitserve.transfer.layout import KVLayout
-from splitserve.transfer.partial_block import PartialBlock, pack_rows, parts_checksum, plan_rows, segment_rows, unpack_rows
+from splitserve.transfer.partial_block import PartialBlock, plan_rows, segment_rows
+from splitserve.transfer.paths import CUDA_TRANSPORTS, check_staging, choose_path, staging_from_env
 from splitserve.transfer.push import PushResult, PushTable
 from splitserve.telemetry.transfer import start_send
 
@@ -38,14 +42,33 @@ _registry: dict[str, "InprocKVSender"] = {}
 _ports = itertools.count(40000)
 
 
+def _memory(kv_cache: torch.Tensor, layout: KVLayout, staging: str | None) -> KVMemory:
+    """The pool on its path: torch copies reach CUDA memory directly, so staging is used only when forced."""
+    staging = staging_from_env() if staging is None else check_staging(staging)
+    return KVMemory(kv_cache, PartialBlock(layout), choose_path(kv_cache.device.type, CUDA_TRANSPORTS, staging))
+
+
+def as_host_copy(buf) -> np.ndarray:
+    """A private host copy of a buffer's bytes (flat uint8)."""
+    return np.array(as_host(buf), copy=True)
+
+
+def _copy_into(dst, src) -> None:
+    """Copy ``src`` into ``dst`` (flat uint8 numpy arrays or torch tensors, any devices; equal sizes)."""
+    as_tensor = lambda b: torch.from_numpy(b) if isinstance(b, np.ndarray) else b  # noqa: E731
+    as_tensor(dst).copy_(as_tensor(src))
+
+
 class InprocKVSender(KVSender):
     def __init__(
         self, kv_cache: torch.Tensor, layout: KVLayout, *, host: str = "127.0.0.1", port: int = 0, corrupt_sends: bool = False,
-        push_wait_s: float = 10.0,
+        push_wait_s: float = 10.0, staging: str | None = None,
     ) -> None:
         self._num_blocks = check_cache(kv_cache, layout)
         self._corrupt_sends = bool(corrupt_sends)
         self._bytes = byte_view(kv_cache)
+        self._mem = _memory(kv_cache, layout, staging)
+        self.path = self._mem.path
         self._layout = layout
         self._block_nbytes = layout.block_nbytes
         self._digest = layout_digest(layout)
@@ -54,6 +77,7 @@ class InprocKVSender(KVSender):
         self._endpoint: str | None = None
         self._table = TransferTable(self._num_blocks)
         self.push_table = PushTable(layout.num_layers, push_wait_s, "inproc")
+        self.push_table.path, self.push_table.fence = self.path, self._mem.fence
         self._closed = False
         self.stats = TransferStats()
 
@@ -103,10 +127,13 @@ class InprocKVSender(KVSender):
 
 
 class InprocKVReceiver(KVReceiver):
-    def __init__(self, kv_cache: torch.Tensor, layout: KVLayout, *, verify_checksum: bool = False) -> None:
+    def __init__(self, kv_cache: torch.Tensor, layout: KVLayout, *, verify_checksum: bool = False,
+                 staging: str | None = None) -> None:
         self._num_blocks = check_cache(kv_cache, layout)
         self._verify = bool(verify_checksum)
         self._bytes = byte_view(kv_cache)
+        self._mem = _memory(kv_cache, layout, staging)
+        self.path = self._mem.path
         self._block_nbytes = layout.block_nbytes
         self._partial = PartialBlock(layout)
         self._digest = layout_digest(layout)
@@ -193,30 +220,24 @@ class InprocKVReceiver(KVReceiver):
         if status is not Status.OK:
             raise TransferRefused(f"KV sender {endpoint} refused transfer {transfer_id!r}: {detail}")
         bn = self._block_nbytes
-        src_bytes = sender._bytes
-        src_np, dst_np = src_bytes.numpy(), self._bytes.numpy()
+        src_mem, dst_mem = sender._mem, self._mem
         rows = [segment_rows(i, len(segments), head, tail, self._partial.block_size) for i in range(len(segments))]
-
-        def parts(pool: np.ndarray, side: int) -> list[np.ndarray]:  # each segment's bytes in order (side 0: src)
-            return [pool[seg[side] * bn : (seg[side] + seg[2]) * bn] if r is None
-                    else pack_rows(self._partial, pool, seg[side], r[1], r[0]) for seg, r in zip(segments, rows)]
-
-        expected = parts_checksum(parts(src_np, 0)) if self._verify else None
-        flipped = segments[0][0] * bn + (self._partial.nbytes(head) if head else 0) if sender._corrupt_sends else None
         ok = False
-        obs = start_send("inproc", transfer_id, sum(n for _s, _d, n in segments))  # child of the caller's span
-        staged: list[np.ndarray | None] = []
+        obs = start_send("inproc", transfer_id, sum(n for _s, _d, n in segments), path=src_mem.path)  # child of the caller's span
+        received: list = []  # where each segment landed (a view of the pool, a staging buffer or packed rows)
+        expected = None
         try:
-            if flipped is not None:  # fault injection: the first byte that moves
-                src_bytes[flipped] ^= 0xFF
-            for (s, d, n), r in zip(segments, rows):
-                if r is None:
-                    self._bytes[d * bn : (d + n) * bn].copy_(src_bytes[s * bn : (s + n) * bn])
-                staged.append(None if r is None else pack_rows(self._partial, src_np, s, r[1], r[0]))
+            src_mem.ready()
+            sent = [src_mem.send_blocks(s, n) if r is None else src_mem.pack(s, r[1], r[0]) for (s, _d, n), r in zip(segments, rows)]
+            expected = parts_checksum(sent) if self._verify else None
+            if sender._corrupt_sends:  # fault injection: the first byte that moves, in a private copy
+                sent[0] = as_host_copy(sent[0])
+                sent[0][0] ^= 0xFF
+            for (_s, d, n), r, part in zip(segments, rows, sent):
+                received.append(dst_mem.recv_blocks(d, n) if r is None else np.empty(part.nbytes, np.uint8))
+                _copy_into(received[-1], part)
             ok = True
         finally:
-            if flipped is not None:
-                src_bytes[flipped] ^= 0xFF
             nbytes = sum(n * bn if r is None else self._partial.nbytes(r[1] - r[0]) for (_s, _d, n), r in zip(segments, rows))
             if ok:
                 sender.stats.bytes_sent += nbytes
@@ -225,13 +246,12 @@ class InprocKVReceiver(KVReceiver):
                 sender.stats.transfers_failed += 1
             obs.finish(ok, nbytes, None if ok else "copy failed")
             call_on_done(reg, ok)
-        if expected is not None:
-            got = parts_checksum([dst_np[d * bn : (d + n) * bn] if p is None else p
-                                  for (_s, d, n), p in zip(segments, staged)])
-            if got != expected:
-                self.stats.checksum_failures += 1
-                raise KVChecksumMismatch(f"KV transfer {transfer_id!r} from {endpoint} is corrupted")
-        for (_s, d, _n), r, p in zip(segments, rows, staged):
-            if p is not None:
-                unpack_rows(self._partial, dst_np, d, r[1], p, r[0])
+        if expected is not None and parts_checksum(received) != expected:
+            self.stats.checksum_failures += 1
+            raise KVChecksumMismatch(f"KV transfer {transfer_id!r} from {endpoint} is corrupted")
+        for (_s, d, _n), r, part in zip(segments, rows, received):
+            if r is None:
+                dst_mem.land(d * bn, part)
+            else:
+                dst_mem.unpack(d, r[1], part, r[0])
         return nbytes

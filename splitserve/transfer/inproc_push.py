@@ -1,22 +1,34 @@
 """KV push for the in-process backend (unit tests): the subscriber copies tensor slices straight into the
-receiver's pool; the completion resolves a future the receiver awaits. Same pairing and errors as UCX."""
+receiver's pool (through the two sides' :class:`~splitserve.transfer.kv_memory.KVMemory`: host or CUDA memory,
+staged when forced); the completion resolves a future the receiver awaits. Same pairing and errors as UCX."""
 
 from __future__ import annotations
 
 import asyncio
 
+import numpy as np
 import torch
 
 from splitserve.errors import KVChecksumMismatch, KVLayoutMismatch, KVTransferCancelled, KVTransferError
-from splitserve.transfer.common import Status, segments_checksum
+from splitserve.transfer.common import Status
+from splitserve.transfer.kv_memory import KVMemory, checksum
 from splitserve.transfer.push import PushResult, Subscriber, group_bounds
 
 
+def _as_tensor(buf) -> torch.Tensor:
+    return torch.from_numpy(buf) if isinstance(buf, np.ndarray) else buf
+
+
+def _blocks_checksum(mem: KVMemory, block_ids: list[int]) -> int:
+    """xxh3-64 over whole blocks in order (as the UCX push computes it)."""
+    return checksum([mem.host_blocks(b, 1) for b in block_ids])
+
+
 class InprocSubscriber(Subscriber):
-    """Writes into ``dst_pool`` (flat uint8) blocks ``dst_block_ids``; ``gone`` once the receiver stopped waiting
+    """Writes into ``dst_pool`` blocks ``dst_block_ids``; ``gone`` once the receiver stopped waiting
     (then any further send fails, as on a dead connection)."""
 
-    def __init__(self, src_pool: torch.Tensor, dst_pool: torch.Tensor, block_nbytes: int, num_layers: int,
+    def __init__(self, src_pool: KVMemory, dst_pool: KVMemory, block_nbytes: int, num_layers: int,
                  dst_block_ids: list[int], layer_groups: int, verify: bool) -> None:
         self._src, self._dst = src_pool, dst_pool
         self._bn, self._ln = block_nbytes, block_nbytes // num_layers
@@ -35,8 +47,12 @@ class InprocSubscriber(Subscriber):
     def send_group(self, j: int, src_block_ids: list[int]) -> int:
         self._live()
         (l0, l1), bn, ln = self.groups[j], self._bn, self._ln
+        self._src.ready()
         for s, d in zip(src_block_ids, self._dst_ids):
-            self._dst[d * bn + l0 * ln: d * bn + l1 * ln].copy_(self._src[s * bn + l0 * ln: s * bn + l1 * ln])
+            sent = self._src.send_range(s * bn + l0 * ln, (l1 - l0) * ln)
+            buf = self._dst.recv_range(d * bn + l0 * ln, (l1 - l0) * ln)
+            _as_tensor(buf).copy_(_as_tensor(sent))
+            self._dst.land(d * bn + l0 * ln, buf)
         n = len(src_block_ids) * (l1 - l0) * ln
         self.nbytes += n
         return n
@@ -45,7 +61,7 @@ class InprocSubscriber(Subscriber):
         self._live()
         checksum = None
         if self._verify and not finished:
-            checksum = segments_checksum(self._src.numpy(), [(s, 1) for s in src_block_ids], self._bn)
+            checksum = _blocks_checksum(self._src, src_block_ids)
         if not self.future.done():
             self.future.set_result((PushResult(tuple(first_token_ids), finished, 0 if finished else self.nbytes), checksum))
 
@@ -66,7 +82,7 @@ class InprocSubscriber(Subscriber):
 async def receive_push(sender, rx, endpoint: str, bootstrap_id: str, dst_block_ids: list[int], layer_groups: int,
                        timeout_s: float) -> PushResult:
     """The inproc receiver's :meth:`receive_push` against ``sender`` (an InprocKVSender)."""
-    sub = InprocSubscriber(sender._bytes, rx._bytes, rx._block_nbytes, sender._layout.num_layers, dst_block_ids,
+    sub = InprocSubscriber(sender._mem, rx._mem, rx._block_nbytes, sender._layout.num_layers, dst_block_ids,
                            layer_groups, rx._verify)
     if sender._block_nbytes != rx._block_nbytes or sender._digest != rx._digest:
         sub.fail(f"KV layout mismatch with sender {endpoint}: remote [{sender._layout.describe()}]", Status.LAYOUT_MISMATCH)
@@ -81,7 +97,7 @@ async def receive_push(sender, rx, endpoint: str, bootstrap_id: str, dst_block_i
         if not sub.future.done():
             sub.future.cancel()
     if checksum is not None:
-        got = segments_checksum(rx._bytes.numpy(), [(d, 1) for d in dst_block_ids], rx._block_nbytes)
+        got = _blocks_checksum(rx._mem, dst_block_ids)
         if got != checksum:
             rx.stats.checksum_failures += 1
             raise KVChecksumMismatch(f"KV push {bootstrap_id!r} from {endpoint} is corrupted")

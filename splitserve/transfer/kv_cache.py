@@ -1,7 +1,7 @@
 """The KV cache tensor of a :class:`KVLayout`: torch dtype, allocation and checks.
 
 The torch side of the layout; :mod:`splitserve.transfer.layout` itself stays torch-free so the
-control plane can use it. The cache is one contiguous CPU tensor
+control plane can use it. The cache is one contiguous tensor (host or CUDA memory)
 ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`` in the layout's dtype.
 """
 
@@ -23,13 +23,14 @@ def torch_dtype(dtype: str) -> torch.dtype:
     return getattr(torch, dtype)
 
 
-def allocate_kv_cache(layout: KVLayout, num_blocks: int) -> torch.Tensor:
-    """Zeroed KV cache ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`` in the layout's dtype."""
-    return torch.zeros((num_blocks, *layout.block_shape), dtype=torch_dtype(layout.dtype))
+def allocate_kv_cache(layout: KVLayout, num_blocks: int, device: str | torch.device = "cpu") -> torch.Tensor:
+    """Zeroed KV cache ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`` in the layout's dtype, on
+    ``device``."""
+    return torch.zeros((num_blocks, *layout.block_shape), dtype=torch_dtype(layout.dtype), device=device)
 
 
 def check_cache(kv_cache: torch.Tensor, layout: KVLayout) -> int:
-    """Validate that ``kv_cache`` is the layout's contiguous CPU pool; return its number of blocks.
+    """Validate that ``kv_cache`` is the layout's contiguous pool (on cpu or a cuda device); return its number of blocks.
 
     Raises:
         TypeError: not a tensor.
@@ -37,10 +38,9 @@ def check_cache(kv_cache: torch.Tensor, layout: KVLayout) -> int:
     """
     if not isinstance(kv_cache, torch.Tensor):
         raise TypeError("kv_cache must be a torch.Tensor")
-    if kv_cache.device.type != "cpu":
-        # The UCX path hands numpy views of host memory to ucxx; device memory would need the
-        # __cuda_array_interface__ path, which is not implemented (and not testable here).
-        raise ValueError(f"kv_cache must be in host memory, got device {kv_cache.device}")
+    if kv_cache.device.type not in ("cpu", "cuda"):
+        # transfers hand ucxx numpy views of host memory or torch views of CUDA memory (splitserve.transfer.kv_memory)
+        raise ValueError(f"kv_cache must be in host or CUDA memory, got device {kv_cache.device}")
     if tuple(kv_cache.shape[1:]) != layout.block_shape or kv_cache.dim() != 6:
         raise ValueError(f"kv_cache shape {tuple(kv_cache.shape)} does not match layout [{layout.describe()}]")
     if kv_cache.dtype != torch_dtype(layout.dtype):

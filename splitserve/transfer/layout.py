@@ -6,7 +6,7 @@ tensor itself is allocated by :func:`splitserve.transfer.kv_cache.allocate_kv_ca
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields, replace
 
 from splitserve.dtypes import itemsize
 from splitserve.errors import KVLayoutMismatch
@@ -25,6 +25,13 @@ class KVLayout:
         num_layers, num_kv_heads, head_dim: from the model config.
         block_size: tokens per KV block.
         dtype: a name of :data:`splitserve.dtypes.DTYPE_ITEMSIZE` ("float32", "float16", "bfloat16", ...).
+        device: where this worker's cache lives, "cpu" or "cuda" (the device *kind*; "" when the peer did not say).
+
+    What must match across workers (:meth:`check_compatible`, and the layout digest of every UCX request): every
+    field but ``device`` -- the bytes of a block mean the same thing only with the same model, layers, kv heads,
+    head_dim, block_size and dtype. ``device`` may differ: a cpu prefill worker can feed a cuda decode worker (UCX
+    or the host staging path converts between memory types; :mod:`splitserve.transfer.paths`). So ``device`` is
+    left out of equality, hashing, :meth:`describe` and the digest.
     """
 
     model_id: str
@@ -33,6 +40,7 @@ class KVLayout:
     head_dim: int
     block_size: int
     dtype: str
+    device: str = field(default="cpu", compare=False)
 
     @property
     def block_shape(self) -> tuple[int, int, int, int, int]:
@@ -51,7 +59,19 @@ class KVLayout:
             f"head_dim={self.head_dim} block_size={self.block_size} dtype={self.dtype}"
         )
 
+    def on_device(self, device_kind: str) -> "KVLayout":
+        """This layout with ``device`` set (e.g. from the KV cache tensor: ``kv_cache.device.type``)."""
+        return replace(self, device=device_kind)
+
+    def mismatched_fields(self, remote: "KVLayout") -> list[str]:
+        """Names of the fields that must match but differ (empty: KV can move between the two)."""
+        return [f.name for f in fields(self) if f.compare and getattr(self, f.name) != getattr(remote, f.name)]
+
     def check_compatible(self, remote: "KVLayout") -> None:
-        """Raise KVLayoutMismatch (names both layouts) unless ``remote`` equals this layout."""
-        if remote != self:
-            raise KVLayoutMismatch(f"KV layout mismatch: local [{self.describe()}] vs remote [{remote.describe()}]")
+        """Raise KVLayoutMismatch (naming the differing fields and both layouts, devices included) unless ``remote``
+        matches this layout in every field but ``device``."""
+        bad = self.mismatched_fields(remote)
+        if bad:
+            raise KVLayoutMismatch(
+                f"KV layout mismatch ({', '.join(bad)} differ; the device may differ, nothing else): local "
+                f"[{self.describe()} device={self.device or '?'}] vs remote [{remote.describe()} device={remote.device or '?'}]")

@@ -20,6 +20,11 @@ Lifecycle of one push (one *bootstrap id*, chosen at random by the router and se
 
 Invariant: the source blocks must not be written or freed until ``finish``/``fail`` returned.
 
+Device memory: ``layers_done`` (engine thread) takes a *fence* from :attr:`PushTable.fence` -- for a CUDA KV cache
+a CUDA event recorded on the engine thread's current stream (:meth:`splitserve.transfer.kv_memory.KVMemory.fence`)
+-- and the sender waits on it before it sends those layers, so a group never leaves before the kernels that wrote
+it finished.
+
 Telemetry: one ``kv.send`` span per push (a child of the decode side's ``kv.receive`` span through the trace context
 of the subscription; bytes, duration, outcome, the ``splitserve:kv_transfer_*`` metrics), with one
 ``kv.push.layers`` child span per layer group sent (its layer range, blocks and bytes; an error if sending failed).
@@ -97,6 +102,7 @@ class PushSource:
         self._attached = asyncio.Event()
         self._src: list[int] | None = None
         self._layers_ready = 0
+        self._fence = None  # the latest layers_done's fence (a CUDA event), waited on before sending
         self._send_failed = False  # a group could not be sent: nothing more is sent
         self._sent = 0  # groups sent, in order
         self._obs = None  # the kv.send span, from the subscription on
@@ -106,18 +112,22 @@ class PushSource:
     def layers_done(self, src_block_ids: list[int], num_layers: int) -> None:
         """The prompt's K/V of layers ``[0, num_layers)`` is in ``src_block_ids`` (thread-safe; the engine
         thread calls it after each layer of the step that completes the prompt)."""
-        self._loop.call_soon_threadsafe(self._progress, list(src_block_ids[: self.num_blocks]), num_layers)
+        fence = self._table.fence() if self._table.fence is not None else None
+        self._loop.call_soon_threadsafe(self._progress, list(src_block_ids[: self.num_blocks]), num_layers, fence)
 
-    def _progress(self, src: list[int], num_layers: int) -> None:
+    def _progress(self, src: list[int], num_layers: int, fence=None) -> None:
         if self.closed or self._send_failed:
             return
+        if fence is not None:
+            self._fence = fence
         self._src = src
         self._layers_ready = max(self._layers_ready, num_layers)
         self._pump()
 
     def _attach(self, sub: Subscriber) -> None:
         self._sub = sub
-        self._obs = start_send(self._table.transport, self.bootstrap_id, self.num_blocks, getattr(sub, "trace_context", ""))
+        self._obs = start_send(self._table.transport, self.bootstrap_id, self.num_blocks, getattr(sub, "trace_context", ""),
+                               path=self._table.path)
         self._attached.set()
         self._pump()
 
@@ -128,6 +138,9 @@ class PushSource:
         try:
             if not sub.alive():
                 raise ConnectionError("the decode side's connection is broken")
+            if self._fence is not None and self._sent < len(sub.groups) and sub.groups[self._sent][1] <= self._layers_ready:
+                self._fence.synchronize()  # the engine's kernels that wrote these layers are done
+                self._fence = None
             while self._sent < len(sub.groups) and sub.groups[self._sent][1] <= self._layers_ready:
                 l0, l1 = sub.groups[self._sent]
                 with observe_push_layers(self._obs, self.bootstrap_id, l0, l1, len(src)) as group:
@@ -200,12 +213,17 @@ class PushTable:
 
     Args:
         num_layers: layers of the KV layout. transport: the backend's name (telemetry labels).
+        path: the sender's KV path (telemetry label; set by the sender when it starts). fence: called by
+            ``layers_done`` on the engine thread; returns an object whose ``synchronize()`` waits for the KV written
+            so far (a CUDA event), or None (set by the sender for a CUDA cache).
         wait_s: how long a subscription waits for its source, and a failure is remembered for a late subscription.
     """
 
     def __init__(self, num_layers: int, wait_s: float = 10.0, transport: str = "ucx") -> None:
         self.num_layers = num_layers
         self.transport = transport
+        self.path = "host"
+        self.fence = None
         self.wait_s = wait_s
         self._sources: dict[str, PushSource] = {}
         self._waiting: dict[str, tuple[Subscriber, asyncio.TimerHandle]] = {}

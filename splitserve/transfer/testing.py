@@ -27,18 +27,23 @@ from splitserve.transfer.layout import KVLayout
 
 @contextlib.asynccontextmanager
 async def transfer_pair(transport: str, layout: KVLayout, num_blocks: int, salt: int = 0, *, verify_checksum: bool = False,
+                        device: str = "cpu", staging: str | None = None,
                         **sender_options: Any) -> AsyncIterator[tuple[Any, Any, torch.Tensor, torch.Tensor]]:
     """A started KV sender over a pool of ``num_blocks`` blocks filled with :func:`fill_pattern` (``salt``) and a
     started receiver over a zeroed pool of as many, both of ``transport``; yields ``(sender, receiver, src, dst)``
     (the pools: ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``) and closes both on exit.
-    ``sender_options`` go to ``create_sender`` (e.g. ``host``, ``corrupt_sends``)."""
+    ``sender_options`` go to ``create_sender`` (e.g. ``host``, ``corrupt_sends``). ``device``: where both pools live;
+    ``staging``: both sides' staging choice (None: ``PD_KV_TRANSFER_STAGING``)."""
     from splitserve.transfer.base import create_receiver, create_sender
 
-    src = allocate_kv_cache(layout, num_blocks)
+    src = allocate_kv_cache(layout, num_blocks, device)
     fill_pattern(src, salt=salt)
-    dst = allocate_kv_cache(layout, num_blocks)
+    dst = allocate_kv_cache(layout, num_blocks, device)
+    if staging is not None:
+        sender_options["staging"] = staging
     sender = create_sender(transport, src, layout, **sender_options)
-    receiver = create_receiver(transport, dst, layout, verify_checksum=verify_checksum)
+    receiver = create_receiver(transport, dst, layout, verify_checksum=verify_checksum,
+                               **({} if staging is None else {"staging": staging}))
     await sender.start()
     try:
         await receiver.start()
@@ -64,7 +69,7 @@ def _block_offset(block_id: int, salt: int) -> int:
 def fill_pattern(kv_cache: torch.Tensor, salt: int = 0) -> None:
     """Give every block a distinct, reproducible byte pattern (depends on block id and ``salt``)."""
     flat = byte_view(kv_cache).view(kv_cache.shape[0], -1)
-    base = _base_pattern(flat.shape[1])
+    base = _base_pattern(flat.shape[1]).to(kv_cache.device)
     for b in range(flat.shape[0]):
         torch.add(base, _block_offset(b, salt), out=flat[b])  # uint8 arithmetic wraps mod 256
 
@@ -82,18 +87,20 @@ def block_bytes(kv_cache: torch.Tensor, block_id: int) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------ process
 
 
-def _child_main(conn, layout_fields: dict, num_blocks: int, salt: int, env: dict, kind: str, options: dict) -> None:
+def _child_main(conn, layout_fields: dict, num_blocks: int, salt: int, env: dict, kind: str, options: dict,
+                device: str = "cpu") -> None:
     os.environ.update(env)
     from splitserve.transfer.ucx_runtime import apply_ucx_env_defaults
 
     apply_ucx_env_defaults()
-    asyncio.run(_child_async(conn, KVLayout(**layout_fields), num_blocks, salt, kind, options))
+    asyncio.run(_child_async(conn, KVLayout(**layout_fields), num_blocks, salt, kind, options, device))
 
 
-async def _child_async(conn, layout: KVLayout, num_blocks: int, salt: int, kind: str, options: dict) -> None:
+async def _child_async(conn, layout: KVLayout, num_blocks: int, salt: int, kind: str, options: dict,
+                       device: str = "cpu") -> None:
     from splitserve.transfer import create_sender
 
-    pool = allocate_kv_cache(layout, num_blocks)
+    pool = allocate_kv_cache(layout, num_blocks, device)
     fill_pattern(pool, salt)
     sender = create_sender(kind, pool, layout, host="127.0.0.1", port=0, **options)
     await sender.start()
@@ -120,6 +127,8 @@ async def _child_async(conn, layout: KVLayout, num_blocks: int, salt: int, kind:
                 conn.send(("ok", list(events)))
             elif cmd == "stats":
                 conn.send(("ok", dataclasses.asdict(sender.stats)))
+            elif cmd == "path":  # the sender's KV path ("host", "cuda", "staged")
+                conn.send(("ok", sender.path))
             elif cmd == "push_open":  # (bootstrap id, num blocks): a push source, as a prefill worker opens one
                 bid, nblocks = args
                 sources[bid] = sender.open_push(bid, nblocks)
@@ -142,7 +151,7 @@ async def _child_async(conn, layout: KVLayout, num_blocks: int, salt: int, kind:
 
 
 class SenderProcess:
-    """A KV sender in a spawned child process (``kind`` "ucx" by default)."""
+    """A KV sender in a spawned child process (``kind`` "ucx" by default) over a pool on ``device``."""
 
     def __init__(
         self,
@@ -153,6 +162,7 @@ class SenderProcess:
         env: dict[str, str] | None = None,
         kind: str = "ucx",
         options: dict[str, Any] | None = None,
+        device: str = "cpu",
     ) -> None:
         self.layout = layout
         self.salt = salt
@@ -160,7 +170,7 @@ class SenderProcess:
         self._conn, child_conn = ctx.Pipe()
         self.proc = ctx.Process(
             target=_child_main,
-            args=(child_conn, dataclasses.asdict(layout), num_blocks, salt, dict(env or {}), kind, dict(options or {})),
+            args=(child_conn, dataclasses.asdict(layout), num_blocks, salt, dict(env or {}), kind, dict(options or {}), device),
             daemon=True,
         )
         self.endpoint: str | None = None
@@ -210,6 +220,10 @@ class SenderProcess:
 
     def stats(self) -> dict[str, int]:
         return self._call("stats")
+
+    def path(self) -> str:
+        """The sender's KV path (:mod:`splitserve.transfer.paths`)."""
+        return self._call("path")
 
     def pause(self) -> None:
         os.kill(self.proc.pid, signal.SIGSTOP)

@@ -4,7 +4,9 @@ Decode side (:func:`receive_push`): like a FETCH, every receive is posted before
 PUSH STATUS on ``tag_base`` and each (layer group, block) straight into its slice of the destination blocks -- and
 all are awaited at once; the sender completes every data receive (empty when it fails), so nothing stays
 posted on success or on a failure message. A timeout, a cancel or a broken connection settles like a fetch (grace,
-then abort the endpoint). Prefill side (:class:`UcxSubscriber`): sends straight from the KV pool.
+then abort the endpoint). Prefill side (:class:`UcxSubscriber`): sends straight from the KV pool. Either side's
+pool may be in host or CUDA memory; the buffers come from its :class:`~splitserve.transfer.kv_memory.KVMemory` (on
+the ``staged`` path: host copies, landed in the pool once the push completed and was verified).
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import numpy as np
 from splitserve.errors import InvalidRequest, KVChecksumMismatch, KVLayoutMismatch, KVTransferCancelled, KVTransferError
 from splitserve.telemetry.propagation import current_trace_context
 from splitserve.transfer import push_wire, wire
-from splitserve.transfer.common import Status, segments_checksum
+from splitserve.transfer.common import Status
+from splitserve.transfer.kv_memory import KVMemory, checksum as parts_checksum
 from splitserve.transfer.push import PushResult, Subscriber, group_bounds
 from splitserve.transfer.ucx_requests import Posted, SettleOnError
 
@@ -29,11 +32,11 @@ class UcxSubscriber(Subscriber):
     """A decode worker's subscription on one connection of the KV sender.
 
     Args:
-        ep: the connection. forget: aborts it (cancels what is posted). pool: the sender's KV pool as flat uint8.
+        ep: the connection. forget: aborts it (cancels what is posted). pool: the sender's KV pool (its path's buffers).
         block_nbytes / num_layers: of the layout. req: the SUBSCRIBE.
     """
 
-    def __init__(self, ep, forget, pool: np.ndarray, block_nbytes: int, num_layers: int,
+    def __init__(self, ep, forget, pool: KVMemory, block_nbytes: int, num_layers: int,
                  req: push_wire.SubscribeRequest) -> None:
         self._ep, self._forget, self._pool = ep, forget, pool
         self._bn, self._ln = block_nbytes, block_nbytes // num_layers
@@ -70,7 +73,7 @@ class UcxSubscriber(Subscriber):
         p, (l0, l1) = self._p(), self.groups[j]
         bn, ln, base = self._bn, self._ln, self._tag + 1 + j * self.num_blocks
         for i, s in enumerate(src_block_ids):
-            p.send(self._pool[s * bn + l0 * ln: s * bn + l1 * ln], base + i)
+            p.send(self._pool.send_range(s * bn + l0 * ln, (l1 - l0) * ln), base + i)
         self._sent = j + 1
         return len(src_block_ids) * (l1 - l0) * ln
 
@@ -85,7 +88,7 @@ class UcxSubscriber(Subscriber):
         if finished:
             self._empties()
         elif self._checksum:
-            checksum = segments_checksum(self._pool, [(s, 1) for s in src_block_ids], self._bn)
+            checksum = parts_checksum([self._pool.host_blocks(s, 1) for s in src_block_ids])
         self._p().send(push_wire.encode_push_status(Status.OK, first_token_ids, finished, checksum), self._tag)
         self._done = True
 
@@ -133,9 +136,13 @@ async def receive_push(rx, endpoint: str, bootstrap_id: str, dst_block_ids: list
     async with SettleOnError(posted, grace, abort, what=f"KV push {bootstrap_id!r} from {endpoint}",
                              bad_answer=f"bad push status from KV sender {endpoint}"):
         posted.recv(status_buf, tag)
+        mem = rx._mem
+        parts = []  # (offset in the pool, receive buffer), in tag order
         for j, (l0, l1) in enumerate(groups):
             for i, d in enumerate(dst_block_ids):
-                posted.recv(rx._bytes[d * bn + l0 * ln: d * bn + l1 * ln], tag + 1 + j * nb + i)
+                offset = d * bn + l0 * ln
+                parts.append((offset, mem.recv_range(offset, (l1 - l0) * ln)))
+                posted.recv(parts[-1][1], tag + 1 + j * nb + i)
         posted.am_send(request)
         await posted.wait(deadline)
         error = posted.first_error()
@@ -148,8 +155,11 @@ async def receive_push(rx, endpoint: str, bootstrap_id: str, dst_block_ids: list
             raise KVTransferCancelled(f"KV push {bootstrap_id!r} from {endpoint} cancelled: {st.detail}")
         if st.status is not Status.OK:
             raise KVTransferError(f"KV push {bootstrap_id!r} from {endpoint} failed: {st.status.name} {st.detail}")
+        if not st.finished:
+            for offset, buf in parts:  # staged: into the pool now; in place: already there
+                mem.land(offset, buf)
         if rx._verify and not st.finished:
-            got = segments_checksum(rx._bytes, [(d, 1) for d in dst_block_ids], bn)
+            got = parts_checksum([mem.host_blocks(d, 1) for d in dst_block_ids])
             if st.checksum is None or got != st.checksum:
                 rx.stats.checksum_failures += 1
                 raise KVChecksumMismatch(f"KV push {bootstrap_id!r} from {endpoint} is corrupted")

@@ -2,7 +2,9 @@
 
 Protocol, failure handling and cancellation: :mod:`splitserve.transfer.ucx`. One cached endpoint per
 peer (:class:`~splitserve.transfer.ucx_endpoints.EndpointCache`); each fetch posts every receive straight
-into the destination blocks, then its FETCH request, and awaits them all at once.
+into the destination blocks, then its FETCH request, and awaits them all at once. The destination pool may be in
+host or CUDA memory (:mod:`splitserve.transfer.kv_memory`); on the ``staged`` path the segments land in host
+buffers and are copied into the blocks once the sender's OK (and checksum) arrived.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 
 from splitserve.errors import InvalidRequest, KVChecksumMismatch, KVLayoutMismatch, KVTransferError, TransferNotFound
 from splitserve.telemetry.propagation import current_trace_context
-from splitserve.transfer import wire
+from splitserve.transfer import ucx_runtime, wire
 from splitserve.transfer.base import KVReceiver, TransferRefused, TransferStats
 from splitserve.transfer.common import (
     Status,
@@ -24,9 +26,11 @@ from splitserve.transfer.common import (
     layout_digest,
     parse_endpoint,
 )
-from splitserve.transfer.kv_cache import byte_view, check_cache
+from splitserve.transfer.kv_cache import check_cache
+from splitserve.transfer.kv_memory import KVMemory, checksum as parts_checksum
 from splitserve.transfer.layout import KVLayout
-from splitserve.transfer.partial_block import PartialBlock, parts_checksum, plan_rows, segment_rows, unpack_rows
+from splitserve.transfer.partial_block import PartialBlock, plan_rows, segment_rows
+from splitserve.transfer.paths import check_staging, choose_path, staging_from_env
 from splitserve.transfer.push import PushResult
 from splitserve.transfer.ucx_endpoints import EndpointCache
 from splitserve.transfer.ucx_push import receive_push
@@ -44,15 +48,20 @@ def _next_tag_base() -> int:
 
 
 class UcxKVReceiver(KVReceiver):
-    """Pulls KV blocks into ``kv_cache``; one cached endpoint per peer endpoint string."""
+    """Pulls KV blocks into ``kv_cache`` (host or CUDA memory); one cached endpoint per peer endpoint string.
+
+    ``staging``: "auto" | "always" | "never" (None: ``PD_KV_TRANSFER_STAGING``); the path is decided at
+    :meth:`start` (then :attr:`path`). Raises ValueError like :class:`~splitserve.transfer.ucx_sender.UcxKVSender`."""
 
     def __init__(
-        self, kv_cache: torch.Tensor, layout: KVLayout, *, cancel_grace_s: float = 1.0, verify_checksum: bool = False
+        self, kv_cache: torch.Tensor, layout: KVLayout, *, cancel_grace_s: float = 1.0, verify_checksum: bool = False,
+        staging: str | None = None,
     ) -> None:
         self._num_blocks = check_cache(kv_cache, layout)
         self._verify = bool(verify_checksum)
         self._kv = kv_cache
-        self._bytes = byte_view(kv_cache).numpy()
+        self._staging = staging_from_env() if staging is None else check_staging(staging)
+        self._mem: KVMemory | None = None  # at start(), on the chosen path
         self._block_nbytes = layout.block_nbytes
         self._digest = layout_digest(layout)
         self._num_layers = layout.num_layers
@@ -65,6 +74,21 @@ class UcxKVReceiver(KVReceiver):
         if self._endpoints.closed:
             raise RuntimeError("receiver is closed")
         await self._endpoints.start()
+        if self._mem is None:
+            try:
+                self._mem = KVMemory(self._kv, self._partial, choose_path(self._kv.device.type, ucx_runtime.transports(),
+                                                                          self._staging))
+            except ValueError:
+                await self._endpoints.close()
+                raise
+            logger.info("KV receiver started (KV path %s, cache on %s)", self._mem.path, self._kv.device)
+
+    @property
+    def path(self) -> str:
+        """"host", "cuda" or "staged" (:mod:`splitserve.transfer.paths`); known after :meth:`start`."""
+        if self._mem is None:
+            raise RuntimeError("the KV path is known only after start()")
+        return self._mem.path
 
     async def close(self) -> None:
         await self._endpoints.close()  # in-flight fetches see their receives cancelled
@@ -131,7 +155,8 @@ class UcxKVReceiver(KVReceiver):
         tag = _next_tag_base()
         status_buf = np.zeros(wire.STATUS_BUF_NBYTES, dtype=np.uint8)
         rows = [segment_rows(i, len(segments), head, tail, bs) for i in range(len(segments))]
-        parts = [self._bytes[d * bn : (d + n) * bn] if r is None else np.empty(self._partial.nbytes(r[1] - r[0]), np.uint8)
+        mem = self._mem
+        parts = [mem.recv_blocks(d, n) if r is None else np.empty(self._partial.nbytes(r[1] - r[0]), np.uint8)
                  for (_s, d, n), r in zip(segments, rows)]  # where each segment lands, in tag order
         flags = wire.FLAG_CHECKSUM if self._verify else 0
         request = wire.encode_fetch(
@@ -180,10 +205,12 @@ class UcxKVReceiver(KVReceiver):
                 self._check(key, transfer_id, parts, checksum)
             for (_s, d, _n), r, part in zip(segments, rows, parts):
                 if r is not None:
-                    unpack_rows(self._partial, self._bytes, d, r[1], part, r[0])
-            return sum(p.size for p in parts)
+                    mem.unpack(d, r[1], part, r[0])
+                else:
+                    mem.land(d * bn, part)
+            return sum(p.nbytes for p in parts)
 
-    def _check(self, key: str, transfer_id: str, parts: list[np.ndarray], expected: int | None) -> None:
+    def _check(self, key: str, transfer_id: str, parts: list, expected: int | None) -> None:
         if expected is None:
             raise KVTransferError(f"KV sender {key} sent no checksum for transfer {transfer_id!r}")
         got = parts_checksum(parts)

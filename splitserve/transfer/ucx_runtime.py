@@ -176,3 +176,17 @@ def _install_exit_hook() -> None:
         except RuntimeError:  # interpreter already shutting down
             pass
     _exit_hook_installed = True
+
+
+def transports() -> frozenset[str]:
+    """Names of the UCX transports this process's context has (``tcp``, ``sysv``, ``cuda_copy``, ...), from
+    ``UCXContext.info``. Call after :func:`acquire`; an empty set when UCX does not describe them."""
+    from ucxx import core
+
+    from splitserve.transfer.paths import ucx_transports
+
+    try:
+        return ucx_transports(core._get_ctx().context.info)
+    except Exception:  # pragma: no cover - defensive: a ucxx without .info
+        logger.warning("could not read the UCX transports; assuming no CUDA transport", exc_info=True)
+        return frozenset()

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from splitserve.telemetry.transfer import start_send
+from splitserve.transfer import ucx_runtime
 from splitserve.transfer import push_wire, wire
 from splitserve.transfer.base import KVSender, OnDone, TransferStats
 from splitserve.transfer.common import (
@@ -25,9 +26,11 @@ from splitserve.transfer.common import (
     format_endpoint,
     layout_digest,
 )
-from splitserve.transfer.kv_cache import byte_view, check_cache
+from splitserve.transfer.kv_cache import check_cache
+from splitserve.transfer.kv_memory import KVMemory, checksum as parts_checksum
 from splitserve.transfer.layout import KVLayout
-from splitserve.transfer.partial_block import PartialBlock, pack_rows, parts_checksum, segment_rows
+from splitserve.transfer.partial_block import PartialBlock, segment_rows
+from splitserve.transfer.paths import check_staging, choose_path, staging_from_env
 from splitserve.transfer.push import PushTable
 from splitserve.transfer.ucx_listener import UcxServer
 from splitserve.transfer.ucx_push import UcxSubscriber
@@ -39,7 +42,12 @@ _EMPTY = np.empty(0, dtype=np.uint8)
 
 
 class UcxKVSender(KVSender):
-    """Serves pulls of registered blocks of ``kv_cache`` over a ucxx listener."""
+    """Serves pulls of registered blocks of ``kv_cache`` (host or CUDA memory) over a ucxx listener.
+
+    ``staging``: "auto" | "always" | "never" (None: ``PD_KV_TRANSFER_STAGING``); the path
+    (:mod:`splitserve.transfer.paths`) is decided at :meth:`start` from the cache's device and UCX's transports
+    and is then :attr:`path`. Raises ValueError on a bad ``staging`` (at construction) or an impossible path (at
+    :meth:`start`)."""
 
     def __init__(
         self,
@@ -51,11 +59,13 @@ class UcxKVSender(KVSender):
         send_timeout_s: float = 30.0,
         corrupt_sends: bool = False,
         push_wait_s: float = 10.0,
+        staging: str | None = None,
     ) -> None:
         self._num_blocks = check_cache(kv_cache, layout)
         self._corrupt_sends = bool(corrupt_sends)  # fault injection for tests (splitserve.transfer.faults)
-        self._kv = kv_cache  # keeps the memory behind self._bytes alive
-        self._bytes = byte_view(kv_cache).numpy()
+        self._kv = kv_cache
+        self._staging = staging_from_env() if staging is None else check_staging(staging)
+        self._mem: KVMemory | None = None  # at start(), on the chosen path
         self._block_nbytes = layout.block_nbytes
         self._digest = layout_digest(layout)
         self._layout = layout
@@ -72,7 +82,22 @@ class UcxKVSender(KVSender):
         if self._server.started:
             return
         await self._server.start()
-        logger.info("KV sender listening, advertised as %s", self.endpoint)
+        try:
+            path = choose_path(self._kv.device.type, ucx_runtime.transports(), self._staging)
+        except ValueError:
+            await self._server.close(drain_s=0.0)
+            raise
+        self._mem = KVMemory(self._kv, self._partial, path)
+        self.push_table.path = path
+        self.push_table.fence = self._mem.fence
+        logger.info("KV sender listening, advertised as %s (KV path %s, cache on %s)", self.endpoint, path, self._kv.device)
+
+    @property
+    def path(self) -> str:
+        """"host", "cuda" or "staged" (:mod:`splitserve.transfer.paths`); known after :meth:`start`."""
+        if self._mem is None:
+            raise RuntimeError("the KV path is known only after start()")
+        return self._mem.path
 
     @property
     def endpoint(self) -> str:
@@ -105,7 +130,8 @@ class UcxKVSender(KVSender):
         if isinstance(req, push_wire.SubscribeRequest):
             return self._subscribe(ep, req)
         reg: Registration | None = None
-        obs = start_send("ucx", req.transfer_id, sum(n for _s, n in req.runs), req.trace_context)
+        mem = self._mem
+        obs = start_send("ucx", req.transfer_id, sum(n for _s, n in req.runs), req.trace_context, path=mem.path)
         if self._server.closing:
             status, detail = Status.CLOSING, "sender is closing"
         elif req.block_nbytes != self._block_nbytes or req.layout_digest != self._digest:
@@ -117,21 +143,22 @@ class UcxKVSender(KVSender):
             # Serves only blocks registered under this id (registered ids are range-checked).
             status, reg, detail = self._table.claim(req.transfer_id, req.runs)
         # Post the STATUS and every segment now (no loop hop before the bytes start moving).
-        bn, bs = self._block_nbytes, self._partial.block_size
+        bs = self._partial.block_size
         nbytes = 0
         checksum = None
         parts = []  # the bytes of each segment, in tag order (a partly held first / partial last block: packed rows)
         if status is Status.OK:
+            mem.ready()  # device memory: the KV writes queued on the stream are done
             for i, (start, count) in enumerate(req.runs):
                 rows = segment_rows(i, len(req.runs), req.head_rows, req.tail_rows, bs)
-                parts.append(self._bytes[start * bn : (start + count) * bn] if rows is None
-                             else pack_rows(self._partial, self._bytes, start, rows[1], rows[0]))
-            nbytes = sum(p.size for p in parts)
+                parts.append(mem.send_blocks(start, count) if rows is None else mem.pack(start, rows[1], rows[0]))
+            nbytes = sum(p.nbytes for p in parts)
             if req.flags & wire.FLAG_CHECKSUM:
                 checksum = parts_checksum(parts)
         corrupted = None
         if status is Status.OK and self._corrupt_sends:  # fault injection, after the checksum
-            if segment_rows(0, len(req.runs), req.head_rows, req.tail_rows, bs) is not None:  # packed: a private copy
+            packed = segment_rows(0, len(req.runs), req.head_rows, req.tail_rows, bs) is not None
+            if packed or not mem.in_place:  # a private host copy
                 parts[0][0] ^= 0xFF
             else:
                 corrupted = self._corrupt(req.runs)
@@ -150,7 +177,7 @@ class UcxKVSender(KVSender):
         return error is None
 
     def _subscribe(self, ep, req: push_wire.SubscribeRequest) -> bool:
-        sub = UcxSubscriber(ep, self._server.forget, self._bytes, self._block_nbytes, self._layout.num_layers, req)
+        sub = UcxSubscriber(ep, self._server.forget, self._mem, self._block_nbytes, self._layout.num_layers, req)
         try:
             if self._server.closing:
                 self.push_table.reject(sub, "sender is closing", Status.CLOSING)
@@ -166,7 +193,7 @@ class UcxKVSender(KVSender):
     def _corrupt(self, runs) -> int:
         """Fault injection: flip the first byte of the first requested block; returns its offset."""
         offset = runs[0][0] * self._block_nbytes
-        self._bytes[offset] ^= 0xFF
+        self._mem.flip_byte(offset)
         return offset
 
     async def _finish(self, ep, transfer_id: str, posted: Posted | None, error: BaseException | None,
@@ -187,7 +214,7 @@ class UcxKVSender(KVSender):
             pass
         finally:
             if corrupted is not None:  # UCX no longer reads the blocks: restore the flipped byte
-                self._bytes[corrupted] ^= 0xFF
+                self._mem.flip_byte(corrupted)
             served = ok and reg is not None
             obs.finish(served, nbytes, None if served else refusal or "send failed")
             if reg is not None:

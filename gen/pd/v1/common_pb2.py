@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12pd/v1/common.proto\x12\x05pd.v1\"\xe4\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x02\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x01H\x03\x88\x01\x01\x12\r\n\x05min_p\x18\x0b \x01(\x01\x12\x12\n\nmin_tokens\x18\x0c \x01(\r\x12$\n\nlogit_bias\x18\r \x03(\x0b\x32\x10.pd.v1.LogitBias\x12\x33\n\x13\x62\x61\x64_words_token_ids\x18\x0e \x03(\x0b\x32\x16.pd.v1.TokenIdSequence\x12\x31\n\x11\x61llowed_token_ids\x18\x0f \x01(\x0b\x32\x16.pd.v1.TokenIdSequence\x12\x15\n\x08logprobs\x18\x10 \x01(\rH\x04\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\rH\x05\x88\x01\x01\x12\t\n\x01n\x18\x12 \x01(\r\x12!\n\x06guided\x18\x13 \x01(\x0b\x32\x11.pd.v1.GuidedSpecB\r\n\x0b_max_tokensB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"+\n\tLogitBias\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04\x62ias\x18\x02 \x01(\x01\"\x1e\n\x0fTokenIdSequence\x12\x0b\n\x03ids\x18\x01 \x03(\r\";\n\nGuidedSpec\x12\x1f\n\x04kind\x18\x01 \x01(\x0e\x32\x11.pd.v1.GuidedKind\x12\x0c\n\x04spec\x18\x02 \x01(\t\"_\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x1e\n\x03top\x18\x04 \x03(\x0b\x32\x11.pd.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"P\n\x0ePromptLogprobs\x12\x18\n\x10num_leading_none\x18\x01 \x01(\r\x12$\n\x07\x65ntries\x18\x02 \x03(\x0b\x32\x13.pd.v1.TokenLogprob\"{\n\x08KVLayout\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\"\xdd\x01\n\x08KVHandle\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x1f\n\x06layout\x18\x04 \x01(\x0b\x32\x0f.pd.v1.KVLayout\x12\x11\n\ttransport\x18\x05 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x06 \x01(\t\x12\x11\n\tblock_ids\x18\x07 \x03(\r\x12\x10\n\x08lease_ms\x18\x08 \x01(\r\x12\x11\n\tvia_store\x18\t \x01(\x08\x12\x16\n\x0estore_tail_key\x18\n \x01(\t\"\x14\n\x12GetKVLayoutRequest\"K\n\x13GetKVLayoutResponse\x12\x1f\n\x06layout\x18\x01 \x01(\x0b\x32\x0f.pd.v1.KVLayout\x12\x13\n\x0bkv_endpoint\x18\x14 \x01(\t\"\x11\n\x0fGetStatsRequest\"\xc7\x01\n\x10GetStatsResponse\x12\x37\n\x08\x63ounters\x18\x01 \x03(\x0b\x32%.pd.v1.GetStatsResponse.CountersEntry\x12\x1f\n\x04role\x18\x32 \x01(\x0e\x32\x11.pd.v1.WorkerRole\x12(\n\rdraining_role\x18\x33 \x01(\x0e\x32\x11.pd.v1.WorkerRole\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01*\xab\x01\n\nGuidedKind\x12\x1b\n\x17GUIDED_KIND_UNSPECIFIED\x10\x00\x12\x1b\n\x17GUIDED_KIND_JSON_SCHEMA\x10\x01\x12\x1b\n\x17GUIDED_KIND_JSON_OBJECT\x10\x02\x12\x15\n\x11GUIDED_KIND_REGEX\x10\x03\x12\x16\n\x12GUIDED_KIND_CHOICE\x10\x04\x12\x17\n\x13GUIDED_KIND_GRAMMAR\x10\x05*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*p\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02\x12\x14\n\x10WORKER_ROLE_BOTH\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12pd/v1/common.proto\x12\x05pd.v1\"\xe4\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x02\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x01H\x03\x88\x01\x01\x12\r\n\x05min_p\x18\x0b \x01(\x01\x12\x12\n\nmin_tokens\x18\x0c \x01(\r\x12$\n\nlogit_bias\x18\r \x03(\x0b\x32\x10.pd.v1.LogitBias\x12\x33\n\x13\x62\x61\x64_words_token_ids\x18\x0e \x03(\x0b\x32\x16.pd.v1.TokenIdSequence\x12\x31\n\x11\x61llowed_token_ids\x18\x0f \x01(\x0b\x32\x16.pd.v1.TokenIdSequence\x12\x15\n\x08logprobs\x18\x10 \x01(\rH\x04\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\rH\x05\x88\x01\x01\x12\t\n\x01n\x18\x12 \x01(\r\x12!\n\x06guided\x18\x13 \x01(\x0b\x32\x11.pd.v1.GuidedSpecB\r\n\x0b_max_tokensB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"+\n\tLogitBias\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04\x62ias\x18\x02 \x01(\x01\"\x1e\n\x0fTokenIdSequence\x12\x0b\n\x03ids\x18\x01 \x03(\r\";\n\nGuidedSpec\x12\x1f\n\x04kind\x18\x01 \x01(\x0e\x32\x11.pd.v1.GuidedKind\x12\x0c\n\x04spec\x18\x02 \x01(\t\"_\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x1e\n\x03top\x18\x04 \x03(\x0b\x32\x11.pd.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"P\n\x0ePromptLogprobs\x12\x18\n\x10num_leading_none\x18\x01 \x01(\r\x12$\n\x07\x65ntries\x18\x02 \x03(\x0b\x32\x13.pd.v1.TokenLogprob\"\x8b\x01\n\x08KVLayout\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18P \x01(\t\"\xdd\x01\n\x08KVHandle\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x1f\n\x06layout\x18\x04 \x01(\x0b\x32\x0f.pd.v1.KVLayout\x12\x11\n\ttransport\x18\x05 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x06 \x01(\t\x12\x11\n\tblock_ids\x18\x07 \x03(\r\x12\x10\n\x08lease_ms\x18\x08 \x01(\r\x12\x11\n\tvia_store\x18\t \x01(\x08\x12\x16\n\x0estore_tail_key\x18\n \x01(\t\"\x14\n\x12GetKVLayoutRequest\"K\n\x13GetKVLayoutResponse\x12\x1f\n\x06layout\x18\x01 \x01(\x0b\x32\x0f.pd.v1.KVLayout\x12\x13\n\x0bkv_endpoint\x18\x14 \x01(\t\"\x11\n\x0fGetStatsRequest\"\xc7\x01\n\x10GetStatsResponse\x12\x37\n\x08\x63ounters\x18\x01 \x03(\x0b\x32%.pd.v1.GetStatsResponse.CountersEntry\x12\x1f\n\x04role\x18\x32 \x01(\x0e\x32\x11.pd.v1.WorkerRole\x12(\n\rdraining_role\x18\x33 \x01(\x0e\x32\x11.pd.v1.WorkerRole\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01*\xab\x01\n\nGuidedKind\x12\x1b\n\x17GUIDED_KIND_UNSPECIFIED\x10\x00\x12\x1b\n\x17GUIDED_KIND_JSON_SCHEMA\x10\x01\x12\x1b\n\x17GUIDED_KIND_JSON_OBJECT\x10\x02\x12\x15\n\x11GUIDED_KIND_REGEX\x10\x03\x12\x16\n\x12GUIDED_KIND_CHOICE\x10\x04\x12\x17\n\x13GUIDED_KIND_GRAMMAR\x10\x05*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*p\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02\x12\x14\n\x10WORKER_ROLE_BOTH\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,12 +33,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GETSTATSRESPONSE_COUNTERSENTRY']._loaded_options = None
   _globals['_GETSTATSRESPONSE_COUNTERSENTRY']._serialized_options = b'8\001'
-  _globals['_GUIDEDKIND']._serialized_start=1680
-  _globals['_GUIDEDKIND']._serialized_end=1851
-  _globals['_FINISHREASON']._serialized_start=1853
-  _globals['_FINISHREASON']._serialized_end=1973
-  _globals['_WORKERROLE']._serialized_start=1975
-  _globals['_WORKERROLE']._serialized_end=2087
+  _globals['_GUIDEDKIND']._serialized_start=1697
+  _globals['_GUIDEDKIND']._serialized_end=1868
+  _globals['_FINISHREASON']._serialized_start=1870
+  _globals['_FINISHREASON']._serialized_end=1990
+  _globals['_WORKERROLE']._serialized_start=1992
+  _globals['_WORKERROLE']._serialized_end=2104
   _globals['_SAMPLINGPARAMS']._serialized_start=30
   _globals['_SAMPLINGPARAMS']._serialized_end=642
   _globals['_LOGITBIAS']._serialized_start=644
@@ -53,18 +53,18 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOPLOGPROB']._serialized_end=926
   _globals['_PROMPTLOGPROBS']._serialized_start=928
   _globals['_PROMPTLOGPROBS']._serialized_end=1008
-  _globals['_KVLAYOUT']._serialized_start=1010
-  _globals['_KVLAYOUT']._serialized_end=1133
-  _globals['_KVHANDLE']._serialized_start=1136
-  _globals['_KVHANDLE']._serialized_end=1357
-  _globals['_GETKVLAYOUTREQUEST']._serialized_start=1359
-  _globals['_GETKVLAYOUTREQUEST']._serialized_end=1379
-  _globals['_GETKVLAYOUTRESPONSE']._serialized_start=1381
-  _globals['_GETKVLAYOUTRESPONSE']._serialized_end=1456
-  _globals['_GETSTATSREQUEST']._serialized_start=1458
-  _globals['_GETSTATSREQUEST']._serialized_end=1475
-  _globals['_GETSTATSRESPONSE']._serialized_start=1478
-  _globals['_GETSTATSRESPONSE']._serialized_end=1677
-  _globals['_GETSTATSRESPONSE_COUNTERSENTRY']._serialized_start=1630
-  _globals['_GETSTATSRESPONSE_COUNTERSENTRY']._serialized_end=1677
+  _globals['_KVLAYOUT']._serialized_start=1011
+  _globals['_KVLAYOUT']._serialized_end=1150
+  _globals['_KVHANDLE']._serialized_start=1153
+  _globals['_KVHANDLE']._serialized_end=1374
+  _globals['_GETKVLAYOUTREQUEST']._serialized_start=1376
+  _globals['_GETKVLAYOUTREQUEST']._serialized_end=1396
+  _globals['_GETKVLAYOUTRESPONSE']._serialized_start=1398
+  _globals['_GETKVLAYOUTRESPONSE']._serialized_end=1473
+  _globals['_GETSTATSREQUEST']._serialized_start=1475
+  _globals['_GETSTATSREQUEST']._serialized_end=1492
+  _globals['_GETSTATSRESPONSE']._serialized_start=1495
+  _globals['_GETSTATSRESPONSE']._serialized_end=1694
+  _globals['_GETSTATSRESPONSE_COUNTERSENTRY']._serialized_start=1647
+  _globals['_GETSTATSRESPONSE_COUNTERSENTRY']._serialized_end=1694
 # @@protoc_insertion_point(module_scope)

@@ -137,20 +137,22 @@ class PromptLogprobs(_message.Message):
     def __init__(self, num_leading_none: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class KVLayout(_message.Message):
-    __slots__ = ("model_id", "num_layers", "num_kv_heads", "head_dim", "block_size", "dtype")
+    __slots__ = ("model_id", "num_layers", "num_kv_heads", "head_dim", "block_size", "dtype", "device")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     num_layers: int
     num_kv_heads: int
     head_dim: int
     block_size: int
     dtype: str
-    def __init__(self, model_id: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+    device: str
+    def __init__(self, model_id: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
 
 class KVHandle(_message.Message):
     __slots__ = ("request_id", "transfer_id", "num_tokens", "layout", "transport", "endpoint", "block_ids", "lease_ms", "via_store", "store_tail_key")

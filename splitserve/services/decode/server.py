@@ -80,7 +80,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             await abort_with(context, exc)
 
     async def GetKVLayout(self, request, context) -> common_pb2.GetKVLayoutResponse:
-        return common_pb2.GetKVLayoutResponse(layout=layout_to_proto(self.engine.layout))
+        return common_pb2.GetKVLayoutResponse(layout=layout_to_proto(self.engine.layout.on_device(self.engine.kv_cache.device.type)))
 
     async def GetStats(self, request, context) -> common_pb2.GetStatsResponse:
         counters = await self.engine.stats()

@@ -183,7 +183,7 @@ class DecodeWorker:
         self.engine.check_decode(prompt, job.params, [0] * job.params.n)  # refuse before taking blocks
         t = self.push_timeout_s if job.time_remaining is None else max(0.001, min(self.push_timeout_s, job.time_remaining))
         async with await self.engine.allocate_blocks(-(-len(prompt) // self.engine.layout.block_size)) as blocks:
-            with observe_receive(self.transport, job.push_endpoint, job.push_id, len(blocks)) as obs:
+            with observe_receive(self.transport, job.push_endpoint, job.push_id, len(blocks), path=self.receiver.path) as obs:
                 result = await self.receiver.receive_push(job.push_endpoint, job.push_id, blocks.block_ids,
                                                           self.push_layer_groups, t)
                 obs.nbytes = result.nbytes
@@ -213,7 +213,7 @@ class DecodeWorker:
             raise InvalidRequest(f"{len(first)} first tokens for n={job.params.n} choices")
         if not h.transfer_id or not h.endpoint or not h.block_ids:
             raise InvalidRequest("kv_handle needs transfer_id, endpoint and block_ids")
-        self.engine.layout.check_compatible(h.layout)
+        self.engine.layout.on_device(self.engine.kv_cache.device.type).check_compatible(h.layout)
         if h.transport != self.transport:
             raise InvalidRequest(f"KV handle transport {h.transport!r}; this worker receives over {self.transport!r}")
         n = len(job.prompt_token_ids)
@@ -256,7 +256,7 @@ class DecodeWorker:
         if not src or reused * bs + held_rows == len(job.prompt_token_ids):
             run.kv_not_pulled = True
             return None
-        with observe_receive(self.transport, h.endpoint, h.transfer_id, len(src)) as obs:
+        with observe_receive(self.transport, h.endpoint, h.transfer_id, len(src), path=self.receiver.path) as obs:
             # the prompt's last block moves only its used token rows, a partly held first block only its missing ones
             last = len(job.prompt_token_ids) % bs
             obs.nbytes = await self.receiver.fetch(h.endpoint, h.transfer_id, src, dst, timeout, last_block_tokens=last,

@@ -69,7 +69,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         return prefill_pb2.ReleaseKVResponse(released=self.worker.release(request.transfer_id))
 
     async def GetKVLayout(self, request, context) -> common_pb2.GetKVLayoutResponse:
-        return common_pb2.GetKVLayoutResponse(layout=layout_to_proto(self.engine.layout), kv_endpoint=self.endpoint)
+        layout = self.engine.layout.on_device(self.engine.kv_cache.device.type)
+        return common_pb2.GetKVLayoutResponse(layout=layout_to_proto(layout), kv_endpoint=self.endpoint)
 
     async def GetStats(self, request, context) -> common_pb2.GetStatsResponse:
         counters = await self.engine.stats()

@@ -183,8 +183,9 @@ class PrefillWorker:
             bound = None if deadline is None else deadline - time.monotonic() + LEASE_DEADLINE_GRACE_S
             lease_s = self.leases.hold(transfer_id, blocks, bound)
         partial = len(prompt) % self.engine.layout.block_size
+        layout = self.engine.layout.on_device(self.engine.kv_cache.device.type)
         return KVHandle(
-            request_id, transfer_id, len(prompt), self.engine.layout, self.transport, self.endpoint, tuple(block_ids),
+            request_id, transfer_id, len(prompt), layout, self.transport, self.endpoint, tuple(block_ids),
             int(lease_s * 1000), via_store, tail_key(transfer_id) if via_store and partial else "",
         )
 
