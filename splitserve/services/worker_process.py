@@ -38,7 +38,7 @@ async def start_engine(config: WorkerConfig) -> tuple[Any, AsyncEngine]:
     keepalive.configure(config.keepalive)
     pin_process(config.cpus)
     set_torch_threads(config.torch_threads)
-    lm = load_model(config.model, dtype=config.engine.dtype)
+    lm = load_model(config.model, dtype=config.engine.dtype, device=config.engine.device)
     engine = AsyncEngine(lm, config.engine)
     apply_engine_faults(engine)  # tests only (PD_FAULT_STEP_DELAY_MS)
     await engine.start()
