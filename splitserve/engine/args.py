@@ -7,7 +7,7 @@ import argparse
 
 from splitserve.dtypes import DTYPE_CHOICES
 from splitserve.engine.config import EngineConfig
-from splitserve.engine.device import DEVICE_HELP, check_device_available
+from splitserve.engine.device import DEVICE_HELP
 from splitserve.env import env_bool, env_choice, env_float, env_int, env_str
 from splitserve.paths import default_model_path
 
@@ -83,9 +83,9 @@ def check_max_model_len(model: str, max_model_len: int) -> None:
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The EngineConfig of parsed engine flags. Raises ValueError for a setting out of range, including a
-    ``--max-model-len`` above the model's context length and a ``--device`` this process cannot compute on
-    (``cuda`` without a visible GPU, ``cuda:N`` out of range, a spelling such as ``tpu``)."""
-    check_device_available(args.device)
+    ``--max-model-len`` above the model's context length and a ``--device`` spelled other than cpu / cuda /
+    cuda:N. Loads no torch (``splitserve up`` checks its workers' settings with it): whether this machine has
+    that GPU is :func:`splitserve.engine.device.check_device_available`'s, which ``splitserve <command>`` runs."""
     check_max_model_len(args.model, args.max_model_len)
     return EngineConfig(
         block_size=args.block_size, kv_cache_mb=args.kv_cache_mb, max_num_seqs=args.max_num_seqs,

@@ -38,11 +38,11 @@ def check_device_available(device: str) -> str:
         ValueError: a bad spelling (:func:`check_device`), no CUDA here (CPU-only torch build or no GPU
             visible), or an index out of range; one line naming the flag.
     """
-    import torch
-
     check_device(device)
     if device == "cpu":
-        return device
+        return device  # no torch import: the control plane checks cpu workers' settings too
+    import torch
+
     if not torch.cuda.is_available():
         why = (f"torch {torch.__version__} is a CPU-only build" if torch.version.cuda is None
                else f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no GPU")
