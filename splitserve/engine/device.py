@@ -67,10 +67,10 @@ def allocate_kv_cache_on(layout: KVLayout, num_blocks: int, device: str) -> torc
 
 
 def synchronize(device: torch.device | str) -> None:
-    """Wait until every kernel queued on ``device``'s current stream has finished (so its KV blocks may be read
-    by another component: a UCX send, a store write); no-op on cpu."""
+    """Wait until every kernel queued on ``device``'s default stream (where engine steps run) has finished, so its
+    KV blocks may be read by another component (a UCX send, a store write); no-op on cpu. Any thread may call it."""
     import torch
 
     dev = torch.device(device)
     if dev.type == "cuda":
-        torch.cuda.current_stream(dev).synchronize()
+        torch.cuda.default_stream(dev).synchronize()

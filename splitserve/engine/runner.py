@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from splitserve.engine.cuda_graphs import CudaGraphDecoder
+from splitserve.engine.device import synchronize
 from splitserve.engine.sampler import SampleRow, prompt_logprobs, sample
 from splitserve.engine.sequence import Sequence, SeqMode
 from splitserve.model import AttentionMetadata, LoadedModel
@@ -44,9 +45,10 @@ class ModelRunner:
         self.graphs = graphs
 
     def sync(self) -> None:
-        """Wait until the KV written by queued steps is in memory (before another component reads a block)."""
+        """Wait until the KV written by queued steps is in memory (before another component reads a block); any
+        thread may call it. Steps run on the device's default stream (the engine sets no other)."""
         if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+            synchronize(self.device)
 
     def threads_for(self, num_tokens: int, num_seqs: int) -> int:
         """Torch threads of a step feeding ``num_tokens`` tokens of ``num_seqs`` sequences (see the class doc)."""
