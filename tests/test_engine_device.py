@@ -128,6 +128,11 @@ def test_decoder_bucket_covers_context_in_blocks():
     assert dec.batch_buckets == (1, 2, 4, 6) and dec.block_buckets == (1, 2, 4, 8)
     assert dec.bucket(3, 4) == (4, 1) and dec.bucket(3, 5) == (4, 2) and dec.bucket(6, 30) == (6, 8)
     assert dec.bucket(7, 4) is None and dec.bucket(1, 33) is None
+    from splitserve.engine.cuda_graphs import MAX_GRAPH_CONTEXT
+
+    long = CudaGraphDecoder(lm.model, lm.model.allocate_kv_cache(9, 16), 16, 4, MAX_GRAPH_CONTEXT * 2, scratch_block=8)
+    assert long.block_buckets[-1] == MAX_GRAPH_CONTEXT // 16  # longer contexts decode eagerly
+    assert long.bucket(1, MAX_GRAPH_CONTEXT) is not None and long.bucket(1, MAX_GRAPH_CONTEXT + 1) is None
 
 
 def test_fixed_shape_decode_equals_eager_and_pads_into_the_scratch_block():

@@ -3,7 +3,8 @@
 A small decode batch on a GPU is bound by kernel launches, not by memory: replaying a captured step launches
 the whole forward at once. A step of ``n`` sequences whose longest context spans ``k`` KV blocks runs in the
 graph of the smallest batch bucket >= n and blocks bucket >= k (powers of two up to ``max_num_seqs`` and up to
-the blocks of ``max_model_len``, each list ending with its limit). The padding rows write their K/V into one
+the blocks of ``min(max_model_len, MAX_GRAPH_CONTEXT)``, each list ending with its limit); a step with a longer
+context runs eagerly (a graph gathers its whole bucket's blocks for every row). The padding rows write their K/V into one
 scratch KV block that the block manager never hands out, and attend to it alone; their logits are dropped.
 
 Per step, the inputs (token ids, positions, slot_mapping, context lengths, block tables) are written into one
@@ -23,6 +24,9 @@ if TYPE_CHECKING:
     import torch
 
     from splitserve.model.llama import CausalLM
+
+#: longest context (tokens) a captured decode step covers; vLLM's default ``max_seq_len_to_capture``
+MAX_GRAPH_CONTEXT = 8192
 
 
 def graphs_enabled(device: str, enforce_eager: bool) -> bool:
@@ -61,7 +65,7 @@ class CudaGraphDecoder:
         kv_cache: ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`` on the GPU.
         block_size: tokens per KV block.
         max_num_seqs: the largest batch (the last batch bucket).
-        max_model_len: the longest context in tokens (the last blocks bucket covers it).
+        max_model_len: the longest context in tokens (the last blocks bucket covers it, up to MAX_GRAPH_CONTEXT).
         scratch_block: a KV block id no sequence ever owns (padding rows write there).
     """
 
@@ -72,7 +76,7 @@ class CudaGraphDecoder:
         self.model, self.kv_cache, self.block_size = model, kv_cache, block_size
         self.device = kv_cache.device
         self.batch_buckets = graph_buckets(max_num_seqs)
-        self.block_buckets = graph_buckets(-(-max_model_len // block_size))
+        self.block_buckets = graph_buckets(-(-min(max_model_len, MAX_GRAPH_CONTEXT) // block_size))
         self.max_position = max_model_len
         self.scratch_block = scratch_block
         self._rows, self._cols = self.batch_buckets[-1], self.block_buckets[-1]
