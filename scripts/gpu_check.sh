@@ -55,7 +55,7 @@ print(f"{p.name}: {p.total_memory / 2**30:.0f} GiB, {p.multi_processor_count} SM
 EOF
 
 step "GPU tests"
-timeout 330 "$PY" -m pytest -x -q -rs -p no:cacheprovider -p no:randomly tests/test_gpu.py tests/test_engine_device.py \
+timeout 330 "$PY" -m pytest -x -q -rs -p no:cacheprovider -p no:randomly tests/test_engine_device.py tests/test_gpu.py \
     2>&1 | tee "$OUT/pytest.log"
 rc=${PIPESTATUS[0]}
 [ "$rc" -eq 0 ] || fail "GPU tests (exit $rc; 124: time limit)"

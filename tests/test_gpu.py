@@ -1,4 +1,5 @@
-"""GPU checks (skipped without CUDA; scripts/gpu_check.sh runs them on a GPU machine), greedy throughout:
+"""GPU checks (skipped without CUDA; scripts/gpu_check.sh runs them on a GPU machine), greedy throughout; the
+engine-only checks come first, then those that move KV between workers (they need the transfer layer's CUDA path):
 
 * GPU colocated == GPU disaggregated, token for token, in float32 and bfloat16: in process (prefill and decode
   servicers, inproc KV transport) and on real processes (router, prefill, 2 decode workers with ``--device cuda``,
@@ -56,6 +57,54 @@ async def free_blocks(engine: AsyncEngine) -> int:
     return (await engine.stats())["kv_blocks_free"]
 
 
+async def all_free(*engines: AsyncEngine) -> bool:
+    """Whether every KV block of ``engines`` is free, waiting up to 5 s for frees in flight."""
+    for _ in range(250):
+        if all([await free_blocks(e) == e.num_blocks for e in engines]):
+            return True
+        await asyncio.sleep(0.02)
+    return False
+
+
+def test_fp32_gpu_logits_match_cpu():
+    """The same prefill (40 tokens) and decode step on both devices: logits within 1e-3 (fp32, no TF32)."""
+    prompt = load_model(default_model_path(), weights=False).tokenizer.encode(PROMPTS[1] + " " + PROMPTS[2])[:40]
+    bs, n = 16, len(prompt)
+    table = [0, 1, 2, 3]
+    outs = {}
+    for device in ("cpu", "cuda"):
+        m = load_model(default_model_path(), dtype="float32", device=device).model
+        cache = m.allocate_kv_cache(4, bs)
+        pre = m(torch.tensor(prompt), torch.arange(n), cache,
+                AttentionMetadata(torch.arange(n), [n], [n], [table], bs), torch.arange(n))
+        step = m(torch.tensor([prompt[-1]]), torch.tensor([n]), cache,
+                 AttentionMetadata(torch.tensor([n]), [1], [n + 1], [table], bs))
+        outs[device] = (pre.cpu(), step.cpu())
+    for cpu, gpu in zip(outs["cpu"], outs["cuda"]):
+        torch.testing.assert_close(gpu, cpu, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+async def test_cuda_graphs_on_equal_off(dtype):
+    lm = cuda_lm(dtype)
+    graphs, eager = await started(lm, max_num_seqs=16), await started(lm, max_num_seqs=16, enforce_eager=True)
+    try:
+        assert graphs.core.runner.graphs is not None and eager.core.runner.graphs is None
+        prompts = [lm.tokenizer.encode(t) for t in PROMPTS]
+        for i, p in enumerate(prompts):  # one at a time: batch bucket 1 against eager batch 1
+            assert await generate(graphs, p, 32, f"g{i}") == await generate(eager, p, 32, f"e{i}")
+        assert graphs.core.runner.graphs.num_graphs >= 1
+        if dtype == "float32":  # a concurrent batch (5 sequences: bucket 8, padded)
+            batch = [*prompts, prompts[0][:3]]
+            got = await asyncio.gather(*(generate(graphs, p, 32, f"bg{i}") for i, p in enumerate(batch)))
+            want = await asyncio.gather(*(generate(eager, p, 32, f"be{i}") for i, p in enumerate(batch)))
+            assert got == want
+        assert await all_free(graphs, eager)
+    finally:
+        await graphs.stop()
+        await eager.stop()
+
+
 @pytest.fixture(params=["float32", "bfloat16"])
 async def gpu_workers(request):
     """(lm, prefill stub, decode stub, prefill engine, decode engine): servicers on in-process gRPC servers, both
@@ -107,8 +156,7 @@ async def test_gpu_disaggregated_equals_gpu_colocated(gpu_workers):
             assert tokens == await generate(colocated, prompt, 24, f"c{i}"), text
     finally:
         await colocated.stop()
-    assert await free_blocks(p_engine) == p_engine.num_blocks
-    assert await free_blocks(d_engine) == d_engine.num_blocks
+    assert await all_free(p_engine, d_engine)
 
 
 async def test_cancelled_gpu_decode_stream_frees_its_blocks(gpu_workers):
@@ -120,52 +168,7 @@ async def test_cancelled_gpu_decode_stream_frees_its_blocks(gpu_workers):
     async for _ in call:
         break
     call.cancel()
-    for _ in range(100):
-        if await free_blocks(d_engine) == d_engine.num_blocks and await free_blocks(p_engine) == p_engine.num_blocks:
-            break
-        await asyncio.sleep(0.02)
-    assert await free_blocks(d_engine) == d_engine.num_blocks
-    assert await free_blocks(p_engine) == p_engine.num_blocks
-
-
-def test_fp32_gpu_logits_match_cpu():
-    """The same prefill (40 tokens) and decode step on both devices: logits within 1e-3 (fp32, no TF32)."""
-    prompt = load_model(default_model_path(), weights=False).tokenizer.encode(PROMPTS[1] + " " + PROMPTS[2])[:40]
-    bs, n = 16, len(prompt)
-    table = [0, 1, 2, 3]
-    outs = {}
-    for device in ("cpu", "cuda"):
-        m = load_model(default_model_path(), dtype="float32", device=device).model
-        cache = m.allocate_kv_cache(4, bs)
-        pre = m(torch.tensor(prompt), torch.arange(n), cache,
-                AttentionMetadata(torch.arange(n), [n], [n], [table], bs), torch.arange(n))
-        step = m(torch.tensor([prompt[-1]]), torch.tensor([n]), cache,
-                 AttentionMetadata(torch.tensor([n]), [1], [n + 1], [table], bs))
-        outs[device] = (pre.cpu(), step.cpu())
-    for cpu, gpu in zip(outs["cpu"], outs["cuda"]):
-        torch.testing.assert_close(gpu, cpu, rtol=1e-3, atol=1e-3)
-
-
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-async def test_cuda_graphs_on_equal_off(dtype):
-    lm = cuda_lm(dtype)
-    graphs, eager = await started(lm, max_num_seqs=16), await started(lm, max_num_seqs=16, enforce_eager=True)
-    try:
-        assert graphs.core.runner.graphs is not None and eager.core.runner.graphs is None
-        prompts = [lm.tokenizer.encode(t) for t in PROMPTS]
-        for i, p in enumerate(prompts):  # one at a time: batch bucket 1 against eager batch 1
-            assert await generate(graphs, p, 32, f"g{i}") == await generate(eager, p, 32, f"e{i}")
-        assert graphs.core.runner.graphs.num_graphs >= 1
-        if dtype == "float32":  # a concurrent batch (5 sequences: bucket 8, padded)
-            batch = [*prompts, prompts[0][:3]]
-            got = await asyncio.gather(*(generate(graphs, p, 32, f"bg{i}") for i, p in enumerate(batch)))
-            want = await asyncio.gather(*(generate(eager, p, 32, f"be{i}") for i, p in enumerate(batch)))
-            assert got == want
-        for e in (graphs, eager):
-            assert await free_blocks(e) == e.num_blocks
-    finally:
-        await graphs.stop()
-        await eager.stop()
+    assert await all_free(p_engine, d_engine)
 
 
 @pytest.fixture(scope="module")
