@@ -88,8 +88,10 @@ EOF
 )"
 fi
 if [ -n "$UCX_INFO" ] && [ -x "$UCX_INFO" ]; then
-    "$UCX_INFO" -v | head -2
-    "$UCX_INFO" -d | grep -E "Transport|Device" | sort | uniq -c
+    # the wheel's binary finds its libucp beside it (lib/), not on the loader's path
+    ucx_lib="$(dirname "$UCX_INFO")/../lib"
+    LD_LIBRARY_PATH="$ucx_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" "$UCX_INFO" -v | head -2
+    LD_LIBRARY_PATH="$ucx_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" "$UCX_INFO" -d | grep -E "Transport|Device" | sort | uniq -c
 else
     echo "ucx_info not found (neither on PATH nor in the libucx wheel)"
 fi
