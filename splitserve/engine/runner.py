@@ -206,7 +206,7 @@ class StepBuffers:
             return self._t[0, :n], self._t[1, :n], self._t[2, :n]
         dev = self._dev[:, :n]
         dev.copy_(self._t[:, :n], non_blocking=True)
-        self._copied.record()
+        self._copied.record(torch.cuda.current_stream(self.device))  # the copy's stream, also for cuda:N, N > 0
         return dev[0], dev[1], self._t[2, :n]
 
 
