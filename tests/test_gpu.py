@@ -5,7 +5,8 @@ engine-only checks come first, then those that move KV between workers (they nee
   servicers, inproc KV transport) and on real processes (router, prefill, 2 decode workers with ``--device cuda``,
   KV over UCX);
 * float32 logits on the GPU within tolerance of the CPU's (a prefill and a decode step);
-* CUDA graphs on == off (``--enforce-eager``), token for token, one request at a time and a concurrent batch;
+* CUDA graphs on == off (``--enforce-eager``), token for token, one request at a time and a concurrent batch
+  (bfloat16: the runs may part only at a near tie of the two most likely tokens);
 * no leaked GPU KV blocks after a cancelled decode stream and after a decode worker is killed mid-stream.
 
 The UCX CUDA-transport check (which transport moved the KV) belongs with the transfer layer's tests.
@@ -41,6 +42,28 @@ async def generate(engine: AsyncEngine, prompt: list[int], n: int, rid: str) -> 
     async for o in engine.generate(rid, prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)):
         out += o.token_ids
     return out
+
+
+async def generate_top2(engine: AsyncEngine, prompt: list[int], n: int, rid: str) -> tuple[list[int], list[tuple]]:
+    """Greedy tokens and, per token, the two most likely (token_id, logprob) pairs."""
+    tokens, tops = [], []
+    async for o in engine.generate(rid, prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=2)):
+        tokens += o.token_ids
+        tops += [lp.top for lp in o.logprobs]
+    return tokens, tops
+
+
+def assert_same_or_near_tie(got: tuple[list[int], list[tuple]], want: tuple[list[int], list[tuple]], tol: float) -> None:
+    """Token for token, except that the two runs may part at a near tie (bfloat16: a graph's padded GEMMs and masked
+    attention round differently from the eager step's): where the tokens first differ, the reference's two most
+    likely tokens are these two and their logprobs are within ``tol``; nothing after that is compared."""
+    (g, _), (w, w_tops) = got, want
+    assert len(g) == len(w)
+    for i, (a, b) in enumerate(zip(g, w)):
+        if a != b:
+            (t0, lp0), (t1, lp1) = w_tops[i]
+            assert {a, b} == {t0, t1} and lp0 - lp1 < tol, f"token {i}: {a} vs {b}, reference top 2 {w_tops[i]}"
+            return
 
 
 async def started(lm, **kw) -> AsyncEngine:
@@ -92,7 +115,11 @@ async def test_cuda_graphs_on_equal_off(dtype):
         assert graphs.core.runner.graphs is not None and eager.core.runner.graphs is None
         prompts = [lm.tokenizer.encode(t) for t in PROMPTS]
         for i, p in enumerate(prompts):  # one at a time: batch bucket 1 against eager batch 1
-            assert await generate(graphs, p, 32, f"g{i}") == await generate(eager, p, 32, f"e{i}")
+            got, want = await generate_top2(graphs, p, 32, f"g{i}"), await generate_top2(eager, p, 32, f"e{i}")
+            if dtype == "float32":
+                assert got[0] == want[0]
+            else:
+                assert_same_or_near_tie(got, want, tol=0.1)
         assert graphs.core.runner.graphs.num_graphs >= 1
         if dtype == "float32":  # a concurrent batch (5 sequences: bucket 8, padded)
             batch = [*prompts, prompts[0][:3]]
