@@ -194,3 +194,29 @@ async def test_engine_with_fixed_shape_decode_equals_eager_engine(lm, monkeypatc
     monkeypatch.setattr(decoder, "run", lambda *a, _run=decoder.run: calls.append(len(a[0])) or _run(*a))
     assert await run(engine) == want
     assert calls and max(calls) == 3  # the decode steps took the fixed-shape path
+
+
+def test_attention_plan_upload_path_keeps_every_field():
+    """The GPU branch of plan_attention (every index tensor in one copy, masks built on the device), run on the meta
+    device: the same fields and shapes as the cpu plan, everything on the cache's device."""
+    from splitserve.model.attention import plan_attention
+
+    bs = 4
+    tables = [[0, 1], [2, 3, 4], [5], [6, 7, 8, 9, 10]]
+    lens = [(7, 1), (11, 1), (3, 1), (20, 6)]  # (seq_len, query_len): three decodes of two groups, a cached prefill
+    slots = [t[p // bs] * bs + p % bs for t, (n, q) in zip(tables, lens) for p in range(n - q, n)]
+    attn = AttentionMetadata(torch.tensor(slots), [q for _, q in lens], [n for n, _ in lens], tables, bs)
+    shape = (12, 1, 2, bs, 1, 8)
+    cpu = plan_attention(attn, len(slots), torch.zeros(shape))
+    meta = plan_attention(attn, len(slots), torch.zeros(shape, device="meta"))
+    assert len(cpu.decode_groups) == len(meta.decode_groups) == 2 and len(cpu.prefills) == len(meta.prefills) == 1
+    pairs = [(cpu.write_blocks, meta.write_blocks), (cpu.write_offsets, meta.write_offsets),
+             (cpu.last_token_index, meta.last_token_index), (cpu.prefills[0].blocks, meta.prefills[0].blocks),
+             (cpu.prefills[0].mask, meta.prefills[0].mask)]
+    for a, b in zip(cpu.decode_groups, meta.decode_groups):
+        pairs += [(a.blocks, b.blocks), (a.tokens, b.tokens), (a.mask, b.mask)]
+        assert (a.num_blocks, a.length) == (b.num_blocks, b.length)
+    for a, b in pairs:
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert b.device.type == "meta" and a.shape == b.shape and a.dtype == b.dtype
