@@ -1,7 +1,9 @@
 # syntax=docker/dockerfile:1
 # splitserve image: one entrypoint (`splitserve`), the embedded model baked in, runs as a non-root user.
 #   CPU (default):  docker build -t splitserve .
-#   CUDA:           docker build -t splitserve:cuda --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 .
+#   CUDA:           docker build -t splitserve:cuda --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 \
+#                     --build-arg DEVICE=cuda .
+#                   (DEVICE sets PD_DEVICE, the workers' default --device: cuda puts weights, KV cache and sampler on the GPU)
 # The same image runs every role: `docker run splitserve router|prefill|decode|kvstore-master|kvstore-node ...`;
 # configuration comes from PD_* environment variables (README: "Configuration reference").
 
@@ -25,6 +27,7 @@ COPY models/ models/
 RUN pip install -e . && python -c "import splitserve.cli, pd.v1.router_pb2"
 
 FROM ${PYTHON_IMAGE} AS runtime
+ARG DEVICE=cpu
 LABEL org.opencontainers.image.title="splitserve" \
       org.opencontainers.image.description="Prefill/decode disaggregated LLM serving" \
       org.opencontainers.image.licenses="Apache-2.0"
@@ -35,6 +38,7 @@ COPY --from=build --chown=root:root /opt/splitserve /opt/splitserve
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PD_MODEL=/opt/splitserve/models/TinyStories-656K \
+    PD_DEVICE=${DEVICE} \
     PD_HOST=0.0.0.0 \
     PD_DATA_HOST=0.0.0.0 \
     UCX_TLS=tcp,self \

@@ -56,8 +56,8 @@ SERVERS = {
 }
 
 
-def check_settings(command: str, argv: list[str]) -> None:
-    """Parse ``argv`` as ``splitserve <command>`` does, starting nothing.
+def check_settings(command: str, argv: list[str]) -> object:
+    """Parse ``argv`` as ``splitserve <command>`` does, starting nothing; returns its config (no torch loaded).
 
     Raises:
         ValueError: a setting its config refuses, or a ``--model`` path that does not exist.
@@ -66,7 +66,7 @@ def check_settings(command: str, argv: list[str]) -> None:
     config = importlib.import_module(SERVERS[command][1]).parse(argv)
     model = getattr(config, "model", None)
     if not model:
-        return
+        return config
     from splitserve.model.synthetic import SYNTHETIC_CONFIGS, SYNTHETIC_PREFIX, is_synthetic
 
     if is_synthetic(model):
@@ -77,6 +77,7 @@ def check_settings(command: str, argv: list[str]) -> None:
         raise ValueError(f"--model: no such file or directory: {model}")
     else:
         _check_model_files(Path(model))
+    return config
 
 
 def _check_model_files(path: Path) -> None:
@@ -100,7 +101,10 @@ def usage_error(command: str, message: object) -> NoReturn:
 
 def _serve(command: str, argv: list[str]) -> None:
     try:
-        check_settings(command, argv)
+        config = check_settings(command, argv)
+        from splitserve.engine.device import check_device_available
+
+        check_device_available(getattr(getattr(config, "engine", config), "device", "cpu"))  # this machine has that GPU
     except ValueError as exc:
         usage_error(command, exc)
     from splitserve.rpc.server import BindError

@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass, field
 
 from splitserve.dtypes import DTYPE_CHOICES, check_dtype_choice
+from splitserve.engine.device import DEVICE_HELP, check_device
 from splitserve.cli_help import SECRET_DEFAULT, new_parser
 from splitserve.config_checks import check_push_layer_groups
 from splitserve.cpus import check_cpus
@@ -93,6 +94,8 @@ class UpConfig:
     decode_migrations: int = 1
     chat_token_continuity: bool = True
     chat_token_continuity_mb: int = 64
+    device: str = "cpu"  # every worker's --device (whether a GPU is there: each worker checks at start-up)
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if self.num_prefill < 1 or self.num_decode < 1:
@@ -120,6 +123,7 @@ class UpConfig:
         if not self.shutdown_grace_s >= 0:
             raise ValueError(f"--shutdown-grace-s must be >= 0, got {self.shutdown_grace_s}")
         check_dtype_choice(self.dtype)
+        check_device(self.device)
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 0:
             raise ValueError(f"--max-num-seqs must be >= 1 and --max-num-batched-tokens >= 0 (0: the default), got "
                              f"{self.max_num_seqs} and {self.max_num_batched_tokens}")
@@ -141,7 +145,8 @@ class UpConfig:
                 str(self.kv_cache_mb), "--kv-transfer-mode", self.kv_transfer_mode, "--dtype", self.dtype,
                 "--max-model-len", str(self.max_model_len), "--max-num-seqs", str(self.max_num_seqs),
                 "--max-num-batched-tokens", str(self.max_num_batched_tokens),
-                *(["--enable-chunked-prefill"] if self.enable_chunked_prefill else [])]
+                *(["--enable-chunked-prefill"] if self.enable_chunked_prefill else []),
+                "--device", self.device, *(["--enforce-eager"] if self.enforce_eager else [])]
 
     def role_args(self) -> dict[str, list[str]]:
         """Flags only the workers of one role get: their CPU pinning (``--cpus``); decode workers: :meth:`push_args`
@@ -231,6 +236,10 @@ def parse(argv: list[str] | None = None) -> UpConfig:
                     help="KV block pool of each worker, MiB (PD_KV_CACHE_MB)")
     ap.add_argument("--dtype", default=env_choice("PD_DTYPE", DTYPE_CHOICES, "auto"), choices=DTYPE_CHOICES,
                     help="workers' weights and KV cache dtype (PD_DTYPE; auto: the checkpoint's)")
+    ap.add_argument("--device", default=env_str("PD_DEVICE", "cpu"),
+                    help=f"every worker's compute device: {DEVICE_HELP} (PD_DEVICE; each worker checks it can use it)")
+    ap.add_argument("--enforce-eager", action="store_true", default=env_bool("PD_ENFORCE_EAGER"),
+                    help="workers on cuda run decode steps eagerly, without CUDA graphs (PD_ENFORCE_EAGER)")
     ap.add_argument("--max-model-len", type=int, default=env_int("PD_MAX_MODEL_LEN", 0),
                     help="workers' context limit in tokens, prompt + output (PD_MAX_MODEL_LEN; 0: the model's)")
     ap.add_argument("--max-num-seqs", type=int, default=env_int("PD_MAX_NUM_SEQS", 64),
@@ -287,4 +296,5 @@ def parse(argv: list[str] | None = None) -> UpConfig:
         elastic=a.elastic, planner=a.planner, slo_ttft_ms=a.slo_ttft_ms, slo_itl_ms=a.slo_itl_ms,
         kv_push_layer_groups=a.kv_push_layer_groups, decode_migrations=a.decode_migrations,
         chat_token_continuity=a.chat_token_continuity, chat_token_continuity_mb=a.chat_token_continuity_mb,
+        device=a.device, enforce_eager=a.enforce_eager,
     )

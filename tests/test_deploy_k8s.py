@@ -117,7 +117,9 @@ def test_gpu_overlay_patch_applies(resources):
         for t in targets:
             patched = jsonpatch.apply_patch(copy.deepcopy(t), yaml.safe_load(entry["patch"]))
             kubernetes_validate.validate(patched, K8S_VERSION, strict=True)
-            assert patched["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
+            container = patched["spec"]["template"]["spec"]["containers"][0]
+            assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+            assert {"name": "PD_DEVICE", "value": "cuda"} in container["env"]  # the workers compute on the GPU
 
 
 def test_every_variable_set_is_read_by_someone(resources):

@@ -257,6 +257,7 @@ def efficiency_report(model: str) -> str:
 def efficiency_main(argv: list[str]) -> int:
     """``splitserve bench efficiency``."""
     from splitserve.bench.efficiency import format_rows, measure
+    from splitserve.engine.device import DEVICE_HELP, check_device_available
     from splitserve.model import load_model
 
     ap = new_parser("splitserve bench efficiency", "Engine efficiency vs this CPU's limits.")
@@ -266,8 +267,13 @@ def efficiency_main(argv: list[str]) -> int:
     ap.add_argument("--context", type=int, default=512, help="decode context tokens per sequence")
     ap.add_argument("--prompt", type=int, default=512, help="prefill prompt tokens")
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    ap.add_argument("--device", default=env_str("PD_DEVICE", "cpu"), help=f"where to measure: {DEVICE_HELP}")
     a = ap.parse_args(argv)
-    rows = measure(load_model(a.model), tuple(int(t) for t in a.threads.split(",")), a.batch, a.context, a.prompt)
+    try:
+        check_device_available(a.device)
+    except ValueError as exc:
+        ap.error(str(exc))
+    rows = measure(load_model(a.model, device=a.device), tuple(int(t) for t in a.threads.split(",")), a.batch, a.context, a.prompt)
     print(json.dumps(rows, indent=1) if a.json else format_rows(rows, a.model))
     return 0
 

@@ -22,27 +22,31 @@ from splitserve.model import AttentionMetadata, LoadedModel
 MiB = 2**20
 
 
-def _best(fn, repeat: int) -> float:
+def _best(fn, repeat: int, device: torch.device | str = "cpu") -> float:
+    """Shortest wall time of ``fn()`` in seconds (a GPU's queued kernels waited for inside each timing)."""
+    wait = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     fn()  # warm-up
+    wait()
     best = float("inf")
     for _ in range(repeat):
         t = time.perf_counter()
         fn()
+        wait()
         best = min(best, time.perf_counter() - t)
     return best
 
 
-def memcpy_bandwidth(nbytes: int = 256 * MiB, repeat: int = 5) -> float:
-    """Bytes/s moved (read + write) by a large tensor copy."""
-    src = torch.ones(nbytes // 4, dtype=torch.float32)
+def memcpy_bandwidth(nbytes: int = 256 * MiB, repeat: int = 5, device: str = "cpu") -> float:
+    """Bytes/s moved (read + write) by a large tensor copy on ``device``."""
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
-    return 2 * nbytes / _best(lambda: dst.copy_(src), repeat)
+    return 2 * nbytes / _best(lambda: dst.copy_(src), repeat, device)
 
 
-def matmul_peak(n: int = 2048, repeat: int = 5) -> float:
-    """FLOP/s of an fp32 n×n matmul."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    return 2 * n**3 / _best(lambda: a @ b, repeat)
+def matmul_peak(n: int = 2048, repeat: int = 5, device: str = "cpu") -> float:
+    """FLOP/s of an fp32 n×n matmul on ``device``."""
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    return 2 * n**3 / _best(lambda: a @ b, repeat, device)
 
 
 def _weight_bytes(lm: LoadedModel) -> int:
@@ -61,7 +65,7 @@ def decode_step(lm: LoadedModel, batch: int = 8, context: int = 512, block_size:
     attn = AttentionMetadata(slots, [1] * batch, [context + 1] * batch, tables, block_size)
     ids, pos = torch.full((batch,), 100), torch.full((batch,), context)
     with torch.inference_mode():
-        step = _best(lambda: lm.model(ids, pos, cache, attn), repeat)
+        step = _best(lambda: lm.model(ids, pos, cache, attn), repeat, cache.device)
     kv_bytes = batch * (context + 1) * c.num_layers * 2 * c.num_kv_heads * c.head_dim * cache.element_size()
     return step, _weight_bytes(lm) + kv_bytes
 
@@ -75,7 +79,7 @@ def prefill(lm: LoadedModel, prompt: int = 512, block_size: int = 16, repeat: in
     attn = AttentionMetadata(torch.arange(prompt), [prompt], [prompt], [table], block_size)
     ids, pos = torch.full((prompt,), 100), torch.arange(prompt)
     with torch.inference_mode():
-        t = _best(lambda: lm.model(ids, pos, cache, attn), repeat)
+        t = _best(lambda: lm.model(ids, pos, cache, attn), repeat, cache.device)
     emb = lm.model.model.embed_tokens.weight.numel()
     head = lm.model.lm_head.weight.numel()
     body = sum(p.numel() for p in lm.model.parameters()) - emb - head
@@ -84,13 +88,14 @@ def prefill(lm: LoadedModel, prompt: int = 512, block_size: int = 16, repeat: in
 
 
 def measure(lm: LoadedModel, threads: tuple[int, ...] = (1, 2), batch: int = 8, context: int = 512, prompt: int = 512) -> list[dict]:
-    """All measurements for each thread count (restores the previous thread count)."""
+    """All measurements for each thread count (restores the previous thread count), on the model's device."""
+    device = str(lm.model.lm_head.weight.device)
     before = torch.get_num_threads()
     rows = []
     try:
         for n in threads:
             torch.set_num_threads(n)
-            bw, peak = memcpy_bandwidth(), matmul_peak()
+            bw, peak = memcpy_bandwidth(device=device), matmul_peak(device=device)
             step, nbytes = decode_step(lm, batch, context)
             tok_s, flop_s = prefill(lm, prompt)
             rows.append({"threads": n, "memcpy_GBps": bw / 1e9, "matmul_GFLOPs": peak / 1e9,

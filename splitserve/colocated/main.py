@@ -42,7 +42,7 @@ async def serve(args: argparse.Namespace) -> None:
     keepalive.configure(keepalive_config(args))
     threads = set_torch_threads(args.torch_threads, pin_process(args.cpus), owns_machine=True)
     logger.info("%d torch threads", threads)
-    lm = load_model(args.model, dtype=args.dtype)
+    lm = load_model(args.model, dtype=args.dtype, device=args.device)
     engine = AsyncEngine(lm, engine_config(args))
     await engine.start()
     backend = LocalBackend(engine)

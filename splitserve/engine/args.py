@@ -7,6 +7,7 @@ import argparse
 
 from splitserve.dtypes import DTYPE_CHOICES
 from splitserve.engine.config import EngineConfig
+from splitserve.engine.device import DEVICE_HELP
 from splitserve.env import env_bool, env_choice, env_float, env_int, env_str
 from splitserve.paths import default_model_path
 
@@ -56,6 +57,16 @@ def add_engine_args(ap: argparse.ArgumentParser, *, prefix_caching: bool = True)
     ap.add_argument("--max-model-len", type=int, default=env_int("PD_MAX_MODEL_LEN", 0),
                     help="context limit in tokens (prompt + output); 0 = the model's; above it is a start-up error")
     ap.add_argument("--transport", default=env_choice("PD_KV_TRANSPORT", TRANSPORTS, "ucx"), choices=TRANSPORTS, help="KV transfer backend")
+    add_device_args(ap)
+
+
+def add_device_args(ap: argparse.ArgumentParser) -> None:
+    """``--device`` and ``--enforce-eager`` (also on commands that build a model without the other engine flags)."""
+    ap.add_argument("--device", default=env_str("PD_DEVICE", "cpu"),
+                    help=f"where the engine computes: {DEVICE_HELP}; weights, KV cache and sampler live there (PD_DEVICE)")
+    ap.add_argument("--enforce-eager", action="store_true", default=env_bool("PD_ENFORCE_EAGER"),
+                    help="cuda: run decode steps eagerly instead of replaying CUDA graphs per batch-size bucket "
+                         "(vLLM's flag; cpu: always eager)")
 
 
 def check_max_model_len(model: str, max_model_len: int) -> None:
@@ -75,12 +86,14 @@ def check_max_model_len(model: str, max_model_len: int) -> None:
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The EngineConfig of parsed engine flags. Raises ValueError for a setting out of range, including a
-    ``--max-model-len`` above the model's context length."""
+    ``--max-model-len`` above the model's context length and a ``--device`` spelled other than cpu / cuda /
+    cuda:N. Loads no torch (``splitserve up`` checks its workers' settings with it): whether this machine has
+    that GPU is :func:`splitserve.engine.device.check_device_available`'s, which ``splitserve <command>`` runs."""
     check_max_model_len(args.model, args.max_model_len)
     return EngineConfig(
         block_size=args.block_size, kv_cache_mb=args.kv_cache_mb, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, enable_chunked_prefill=args.enable_chunked_prefill,
         num_blocks=args.num_blocks, max_queue_len=args.max_queue_len, max_queue_wait_s=args.max_queue_wait_s,
         dtype=args.dtype, max_model_len=args.max_model_len, decode_threads=args.decode_threads,
-        enable_prefix_caching=args.enable_prefix_caching,
+        enable_prefix_caching=args.enable_prefix_caching, device=args.device, enforce_eager=args.enforce_eager,
     )

@@ -32,7 +32,8 @@ from splitserve.engine.sequence import Sequence, SeqMode
 from splitserve.errors import InvalidRequest
 from splitserve.kvstore.block_hash import namespace_root
 from splitserve.model import LoadedModel
-from splitserve.transfer.kv_cache import allocate_kv_cache
+from splitserve.engine.cuda_graphs import CudaGraphDecoder, graphs_enabled
+from splitserve.engine.device import allocate_kv_cache_on
 from splitserve.transfer.layout import KVLayout
 
 logger = logging.getLogger(__name__)
@@ -58,19 +59,26 @@ class AsyncEngine:
     """
 
     def __init__(self, lm: LoadedModel, config: EngineConfig) -> None:
-        """Raises ValueError when ``config.max_model_len`` exceeds the model's context length, or when
-        ``config.dtype`` (unless "auto") is not the dtype ``lm`` was loaded in."""
+        """Raises ValueError when ``config.max_model_len`` exceeds the model's context length, when
+        ``config.dtype`` (unless "auto") is not the dtype ``lm`` was loaded in, or ``config.device`` not the device
+        it was loaded on (``load_model(..., device=)``)."""
         self.lm = lm
         self.config = config
         if config.dtype not in ("auto", lm.config.dtype):
             raise ValueError(f"--dtype {config.dtype}: the model was loaded in {lm.config.dtype}")
         if config.max_model_len > lm.max_model_len:
             raise ValueError(f"--max-model-len {config.max_model_len} exceeds the model's maximum context length {lm.max_model_len}")
+        device = lm.model.lm_head.weight.device
+        want = torch.device(config.device)
+        if want.type != device.type or want.index not in (None, device.index):
+            raise ValueError(f"--device {config.device}: the model was loaded on {device}")
         self.max_model_len = config.max_model_len or lm.max_model_len
         mc = lm.config
         self.layout = KVLayout(lm.model_id, mc.num_layers, mc.num_kv_heads, mc.head_dim, config.block_size, mc.dtype)
         num_blocks = config.num_blocks or max(1, config.kv_cache_mb * 2**20 // self.layout.block_nbytes)
-        self.kv_cache = allocate_kv_cache(self.layout, num_blocks)
+        graphs = graphs_enabled(config.device, config.enforce_eager)
+        # CUDA graphs: one more KV block (id num_blocks, never handed out) takes the padding rows' K/V
+        self.kv_cache = allocate_kv_cache_on(self.layout, num_blocks + (1 if graphs else 0), str(device))
         self.block_manager = (PrefixCachingBlockManager(num_blocks, config.block_size, namespace_root(self.layout))
                               if config.enable_prefix_caching else BlockManager(num_blocks))
         sched = Scheduler(
@@ -82,7 +90,12 @@ class AsyncEngine:
             self.block_manager,
             lm.eos_token_ids,
         )
-        self.core = EngineCore(ModelRunner(lm, self.kv_cache, config.block_size, config.decode_threads), sched, self._emit_threadsafe,
+        decoder = None
+        if graphs:
+            decoder = CudaGraphDecoder(lm.model, self.kv_cache, config.block_size, config.max_num_seqs, self.max_model_len,
+                                       scratch_block=num_blocks)
+        runner = ModelRunner(lm, self.kv_cache, config.block_size, config.decode_threads, graphs=decoder)
+        self.core = EngineCore(runner, sched, self._emit_threadsafe,
                                config.max_queue_len, config.max_queue_wait_s)
         longest = max_blocks(1, self.max_model_len, config.block_size, self.max_model_len, prefill_only=False)
         if longest > num_blocks:
@@ -97,6 +110,17 @@ class AsyncEngine:
     @property
     def num_blocks(self) -> int:
         return self.block_manager.num_blocks
+
+    @property
+    def device(self) -> torch.device:
+        """Where the weights and the KV cache live (``kv_cache.device``)."""
+        return self.kv_cache.device
+
+    def sync_kv(self) -> None:
+        """Block until every queued step's KV writes are in the cache's memory (a GPU's stream synchronised; no-op
+        on cpu). For a component about to read KV blocks from outside the engine thread (a UCX send, a store
+        write). Steps already sync when their sampled tokens come back, so KV of an emitted token is in memory."""
+        self.core.runner.sync()
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from splitserve.dtypes import DTYPE_CHOICES
+from splitserve.engine.device import check_device
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 4096  # unchunked: prompt tokens per prefill batch (raised to max_model_len)
 # Chunked: tokens per step (decodes + prompt chunk). Measured with benchmarks/chunked_itl.py on the 2-core
@@ -28,9 +29,13 @@ class EngineConfig:
     max_model_len: int = 0  # context limit, tokens (prompt + output); 0 = the model's
     decode_threads: int = -1  # torch threads of small decode-only steps (0: as prefill steps; -1: by dtype, see ModelRunner)
     enable_prefix_caching: bool = False  # keep full KV blocks for reuse (engine.prefix_cache); CLI: on for decode, colocated
+    device: str = "cpu"  # cpu | cuda | cuda:N: weights, KV cache, step buffers and sampler live there
+    enforce_eager: bool = False  # cuda: no CUDA graphs for decode steps (vLLM's --enforce-eager); cpu: always eager
 
     def __post_init__(self) -> None:
-        """Raises ValueError naming the first setting out of range (flag spelling, as the CLI prints it)."""
+        """Raises ValueError naming the first setting out of range (flag spelling, as the CLI prints it); a
+        ``device`` spelled other than cpu / cuda / cuda:N too (whether a GPU is there is checked at start-up)."""
+        check_device(self.device)
         for flag, value, ok, want in (
             ("--block-size", self.block_size, self.block_size >= 1, ">= 1"),
             ("--kv-cache-mb", self.kv_cache_mb, self.kv_cache_mb >= 1, ">= 1"),

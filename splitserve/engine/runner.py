@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from splitserve.engine.cuda_graphs import CudaGraphDecoder
+from splitserve.engine.device import synchronize
 from splitserve.engine.sampler import SampleRow, prompt_logprobs, sample
 from splitserve.engine.sequence import Sequence, SeqMode
 from splitserve.model import AttentionMetadata, LoadedModel
@@ -29,17 +31,30 @@ class ModelRunner:
     (prefill, mixed, large decode batches) with the thread count set when the runner was built
     (``--torch-threads``). ``decode_threads`` 0 means the same for all steps; -1 (auto) 1 for float32
     weights and the same for all steps for bfloat16/float16 (see ``PARALLEL_DECODE_MIN_SEQS``).
+
+    Device: the model's and the KV cache's (``device``). On a GPU, a step's inputs go up in one copy and its sampled
+    token ids come down in one; decode steps replay CUDA graphs when ``graphs`` is given (see
+    ``splitserve.engine.cuda_graphs``). ``sync()`` waits for the queued kernels (no-op on cpu).
     """
 
-    def __init__(self, lm: LoadedModel, kv_cache: torch.Tensor, block_size: int, decode_threads: int = 0) -> None:
+    def __init__(self, lm: LoadedModel, kv_cache: torch.Tensor, block_size: int, decode_threads: int = 0,
+                 graphs: CudaGraphDecoder | None = None) -> None:
         self.lm = lm
         self.kv_cache = kv_cache
         self.block_size = block_size
+        self.device = kv_cache.device
         self.prefill_threads = torch.get_num_threads()
         if decode_threads < 0:
             decode_threads = 1 if lm is None or lm.config.dtype == "float32" else 0
         self.decode_threads = min(decode_threads, self.prefill_threads) or self.prefill_threads
-        self._buffers = StepBuffers()
+        self._buffers = StepBuffers(device=self.device)
+        self.graphs = graphs
+
+    def sync(self) -> None:
+        """Wait until the KV written by queued steps is in memory (before another component reads a block); any
+        thread may call it. Steps run on the device's default stream (the engine sets no other)."""
+        if self.device.type == "cuda":
+            synchronize(self.device)
 
     def threads_for(self, num_tokens: int, num_seqs: int) -> int:
         """Torch threads of a step feeding ``num_tokens`` tokens of ``num_seqs`` sequences (see the class doc)."""
@@ -72,6 +87,14 @@ class ModelRunner:
                 slot_mapping += [table[p // bs] * bs + p % bs for p in range(start, end)]
             query_lens.append(end - start)
             seq_lens.append(end)
+        threads = self.threads_for(len(input_ids), len(seqs))
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        want_prompt = [_wants_prompt_logprobs(s) for s in seqs]
+        if self._graph_step(seqs, seq_lens, want_prompt):
+            logits = self.graphs.run(input_ids, positions, slot_mapping, [s.block_table for s in seqs], seq_lens)
+            with torch.inference_mode():
+                return self._sample(seqs, logits)
         ids_t, pos_t, slots_t = self._buffers.fill(input_ids, positions, slot_mapping)
         attn = AttentionMetadata(
             slot_mapping=slots_t,
@@ -79,12 +102,8 @@ class ModelRunner:
             seq_lens=seq_lens,
             block_tables=[seq.block_table for seq in seqs],
             block_size=bs,
-            on_layer_done=_layer_hook(seqs),
+            on_layer_done=_layer_hook(seqs, self.sync if self.device.type == "cuda" else None),
         )
-        threads = self.threads_for(len(input_ids), len(seqs))
-        if torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)
-        want_prompt = [_wants_prompt_logprobs(s) for s in seqs]
         logits_indices, last_rows = None, None
         if any(want_prompt):  # every position of those sequences, the last one of the others
             logits_indices, last_rows, t = [], [], 0
@@ -107,6 +126,12 @@ class ModelRunner:
                         _record_prompt_logprobs(seq, logits[last - q + 1 : last + 1])
                 logits = logits[torch.tensor(last_rows, dtype=torch.long)]
             return self._sample(seqs, logits)
+
+    def _graph_step(self, seqs: list[Sequence], seq_lens: list[int], want_prompt: list[bool]) -> bool:
+        """Whether this step replays a CUDA graph: graphs on, every sequence feeds one token, no prompt logprobs
+        or per-layer KV push, and a bucket holds it."""
+        return (self.graphs is not None and all(s.num_step_tokens == 1 for s in seqs) and not any(want_prompt)
+                and all(s.on_layers is None for s in seqs) and self.graphs.bucket(len(seqs), max(seq_lens)) is not None)
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
         """Sample every sequence that completes its prompt or decodes (``logits``: ``[num_seqs, vocab]``)."""
@@ -142,47 +167,66 @@ class ModelRunner:
         if src:
             with torch.inference_mode():
                 self.kv_cache[torch.tensor(dst, dtype=torch.long)] = self.kv_cache[torch.tensor(src, dtype=torch.long)]
+            self.sync()  # a GPU: the copies are in memory before a transfer writes or reads these blocks
 
     def copy_block_rows(self, src: int, dst: int, num_tokens: int) -> None:
         """Copy token rows ``[0, num_tokens)`` (every layer's K and V) of KV block ``src`` into block ``dst``:
         copy-on-write of a partial block held by the prefix cache."""
         with torch.inference_mode():
             self.kv_cache[dst, :, :, :num_tokens] = self.kv_cache[src, :, :, :num_tokens]
+        self.sync()
 
 
 class StepBuffers:
     """Preallocated int64 step inputs ``[capacity]`` (input_ids, positions, slot_mapping), written through numpy
     views, so a step allocates no new input tensors (capacity doubles when a step feeds more tokens).
-    ``fill`` returns ``[T]`` views that are valid until the next ``fill``: the model must not keep them."""
+    ``fill`` returns ``[T]`` views that are valid until the next ``fill``: the model must not keep them.
 
-    def __init__(self, capacity: int = 256) -> None:
+    On a CUDA ``device`` the host buffer is pinned and ``fill`` copies it to a device twin in one transfer: it
+    returns input_ids and positions on the device, slot_mapping on the host (the attention plan reads it there)."""
+
+    def __init__(self, capacity: int = 256, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
         self._alloc(capacity)
 
     def _alloc(self, capacity: int) -> None:
         self.capacity = capacity
-        self._t = torch.zeros(3, capacity, dtype=torch.long)
+        cuda = self.device.type == "cuda"
+        self._t = torch.zeros(3, capacity, dtype=torch.long, pin_memory=cuda)
         self._np = self._t.numpy()
+        self._dev = torch.zeros(3, capacity, dtype=torch.long, device=self.device) if cuda else None
+        self._copied = torch.cuda.Event() if cuda else None
 
     def fill(self, input_ids: list[int], positions: list[int], slot_mapping: list[int]) -> tuple[torch.Tensor, ...]:
         """Copy the three equal-length lists in; returns (input_ids, positions, slot_mapping), each int64 ``[T]``."""
         n = len(input_ids)
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copy has read the pinned buffer
         if n > self.capacity:
             self._alloc(1 << (n - 1).bit_length())
         a = self._np
         a[0, :n] = input_ids
         a[1, :n] = positions
         a[2, :n] = slot_mapping
-        return self._t[0, :n], self._t[1, :n], self._t[2, :n]
+        if self._dev is None:
+            return self._t[0, :n], self._t[1, :n], self._t[2, :n]
+        dev = self._dev[:, :n]
+        dev.copy_(self._t[:, :n], non_blocking=True)
+        self._copied.record(torch.cuda.current_stream(self.device))  # the copy's stream, also for cuda:N, N > 0
+        return dev[0], dev[1], self._t[2, :n]
 
 
-def _layer_hook(seqs: list[Sequence]):
+def _layer_hook(seqs: list[Sequence], sync=None):
     """The step's per-layer callback: tells every sequence with ``on_layers`` whose prompt this step completes that
-    layers ``[0, i + 1)`` of its KV are written (None when no sequence asks)."""
+    layers ``[0, i + 1)`` of its KV are written (None when no sequence asks); ``sync`` (a GPU's) runs first, so
+    the layers' KV is in memory when the push reads it."""
     pushes = [s for s in seqs if s.on_layers is not None and not s.is_partial_prefill]
     if not pushes:
         return None
 
     def done(i: int) -> None:
+        if sync is not None:
+            sync()
         for s in pushes:
             s.on_layers(s.block_table, i + 1)
     return done

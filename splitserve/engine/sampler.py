@@ -120,7 +120,10 @@ def _draw(row_logits: torch.Tensor, p: SamplingParams, output_index: int) -> int
         drop = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= p.top_p
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    gen = _generator(p.seed, output_index) if p.seed is not None else None
+    gen = None
+    if p.seed is not None:  # a seeded draw uses a CPU generator on every device: the same token wherever it runs
+        gen = _generator(p.seed, output_index)
+        probs = probs.cpu()
     return int(torch.multinomial(probs, 1, generator=gen).item())
 
 

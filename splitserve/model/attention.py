@@ -4,7 +4,8 @@ Cache layout: ``kv_cache[num_blocks, num_layers, 2, block_size, num_kv_heads, he
 1 = V). Token ``p`` of a sequence lives at slot ``block_table[p // block_size] * block_size + p % block_size``.
 
 ``plan_attention`` validates an ``AttentionMetadata`` once per forward (plain Python over the block
-tables) and precomputes the block ids to gather and the masks; ``paged_attention`` then runs per layer:
+tables) and precomputes the block ids to gather and the masks (on a GPU its index tensors go up in one copy and
+the masks are built there); ``paged_attention`` then runs per layer:
 write the new K/V with one indexed store, gather each sequence's context as whole blocks
 (``index_select`` over the block axis: one copy of ``num_blocks * block_size`` tokens, no per-token
 index), and attend with SDPA's grouped-query mode (K/V are never repeated per query head).
@@ -125,34 +126,54 @@ def plan_attention(attn: AttentionMetadata, num_tokens: int, kv_cache: torch.Ten
     slots = _check(attn, num_tokens, num_blocks, bs)
     dev = kv_cache.device
     slot_t = torch.tensor(slots, dtype=torch.int64)
-    plan = AttentionPlan(
-        write_blocks=(slot_t // bs).to(dev),
-        write_offsets=(slot_t % bs).to(dev),
-        last_token_index=None if num_tokens == len(attn.query_lens)
-        else (torch.tensor(attn.query_lens, dtype=torch.int64).cumsum(0) - 1).to(dev),
-    )
+    host = [slot_t // bs, slot_t % bs]  # every int64 index tensor of the plan, moved to the device together
+    if num_tokens != len(attn.query_lens):
+        host.append(torch.tensor(attn.query_lens, dtype=torch.int64).cumsum(0) - 1)
+    prefills: list[tuple[int, int, int, int | None]] = []  # (start, qlen, seq_len, its blocks in host or None)
     decodes: list[tuple[int, int, list[int]]] = []  # (token index, seq_len, block table)
     start = 0
     for qlen, slen, table in zip(attn.query_lens, attn.seq_lens, attn.block_tables):
         if qlen == 1:
             decodes.append((start, slen, table))
         elif qlen == slen:
-            plan.prefills.append(_Prefill(start, qlen, slen, None, None))
+            prefills.append((start, qlen, slen, None))
         else:
-            blocks = torch.tensor(table[: -(-slen // bs)], dtype=torch.int64, device=dev)
-            mask = torch.arange(slen, device=dev)[None, :] <= torch.arange(slen - qlen, slen, device=dev)[:, None]
-            plan.prefills.append(_Prefill(start, qlen, slen, blocks, mask))
+            prefills.append((start, qlen, slen, len(host)))
+            host.append(torch.tensor(table[: -(-slen // bs)], dtype=torch.int64))
         start += qlen
     decodes.sort(key=lambda d: d[1])
+    groups = []  # (tokens, blocks, lens: indices into host or None; num_blocks, length)
     while decodes:  # shortest first; a group takes sequences up to twice its shortest context
         limit = 2 * decodes[0][1]
         n = next((k for k, d in enumerate(decodes) if d[1] > limit), len(decodes))
-        plan.decode_groups.append(_decode_group(decodes[:n], bs, num_tokens, dev))
+        groups.append(_decode_group(decodes[:n], bs, num_tokens, host))
         decodes = decodes[n:]
+    t = _to_device(host, dev)
+    plan = AttentionPlan(write_blocks=t[0], write_offsets=t[1], last_token_index=t[2] if num_tokens != len(attn.query_lens) else None)
+    for begin, qlen, slen, blocks in prefills:
+        mask = None
+        if blocks is not None:
+            mask = torch.arange(slen, device=dev)[None, :] <= torch.arange(slen - qlen, slen, device=dev)[:, None]
+        plan.prefills.append(_Prefill(begin, qlen, slen, None if blocks is None else t[blocks], mask))
+    for tokens, blocks, lens, m, length in groups:
+        mask = None
+        if lens is not None:
+            mask = (torch.arange(length, device=dev)[None, :] < t[lens][:, None]).view(-1, 1, 1, length)
+        plan.decode_groups.append(_DecodeGroup(None if tokens is None else t[tokens], t[blocks], m, length, mask))
     return plan
 
 
-def _decode_group(decodes: list[tuple[int, int, list[int]]], bs: int, num_tokens: int, dev: torch.device) -> _DecodeGroup:
+def _to_device(host: list[torch.Tensor], dev: torch.device) -> list[torch.Tensor]:
+    """``host`` (int64 tensors) on ``dev`` in one host-to-device copy; on cpu the tensors themselves."""
+    if dev.type == "cpu":
+        return host
+    return list(torch.cat([h.reshape(-1) for h in host]).to(dev).split([h.numel() for h in host]))
+
+
+def _decode_group(decodes: list[tuple[int, int, list[int]]], bs: int, num_tokens: int,
+                  host: list[torch.Tensor]) -> tuple[int | None, int, int | None, int, int]:
+    """Appends the group's index tensors to ``host``; returns (tokens, blocks, lens) as indices into it (tokens None:
+    the batch's tokens in order; lens None: every context is the longest), the blocks per sequence and that length."""
     tokens = [d[0] for d in decodes]
     length = max(d[1] for d in decodes)
     m = -(-length // bs)
@@ -160,13 +181,13 @@ def _decode_group(decodes: list[tuple[int, int, list[int]]], bs: int, num_tokens
     for _, slen, table in decodes:
         used = table[: -(-slen // bs)]
         blocks += used + [used[-1]] * (m - len(used))  # padding blocks are masked out
-    mask = None
-    if any(d[1] != length for d in decodes):
-        lens = torch.tensor([d[1] for d in decodes])
-        mask = (torch.arange(length)[None, :] < lens[:, None]).view(len(decodes), 1, 1, length).to(dev)
-    in_order = sorted(tokens) == tokens and len(tokens) == num_tokens
-    return _DecodeGroup(None if in_order else torch.tensor(tokens, dtype=torch.int64, device=dev),
-                        torch.tensor(blocks, dtype=torch.int64, device=dev), m, length, mask)
+    refs: list[int | None] = []
+    for values, needed in ((tokens, sorted(tokens) != tokens or len(tokens) != num_tokens),
+                           (blocks, True), ([d[1] for d in decodes], any(d[1] != length for d in decodes))):
+        refs.append(len(host) if needed else None)
+        if needed:
+            host.append(torch.tensor(values, dtype=torch.int64))
+    return refs[0], refs[1], refs[2], m, length
 
 
 def paged_attention(qkv: torch.Tensor, kv_cache: torch.Tensor, layer: int, plan: AttentionPlan,

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from splitserve.model.attention import AttentionMetadata, paged_attention, plan_attention
 from splitserve.model.attention_ref import reference_attention
+from splitserve.model.attention_static import StaticDecodePlan, static_decode_attention
 from splitserve.model.config import ModelConfig
 from splitserve.model.layers import RMSNorm, SwiGLUMLP, TransposedLinear
 from splitserve.model.rope import RotaryEmbedding, apply_rope_
@@ -50,7 +51,8 @@ class Attention(nn.Module):
 
     def forward_add(self, h, x, cos, sin, kv_cache, layer, plan, attn):
         """``h + attention(x)``: h, x ``[T, hidden]``; writes this layer's K/V into ``kv_cache``.
-        ``plan`` (from plan_attention) selects the block-gather path; None the reference path over ``attn``."""
+        ``plan`` (from plan_attention) selects the block-gather path, a StaticDecodePlan the fixed-shape decode path
+        (CUDA graphs); None the reference path over ``attn``."""
         t, hq, hkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj.forward(x).view(t, hq + 2 * hkv, d)
         if self.q_norm is not None:
@@ -60,6 +62,8 @@ class Attention(nn.Module):
         apply_rope_(qkv[:, : hq + hkv], cos, sin)
         if plan is None:
             o = reference_attention(qkv, kv_cache, layer, attn, hq, hkv)
+        elif isinstance(plan, StaticDecodePlan):
+            o = static_decode_attention(qkv, kv_cache, layer, plan, hq, hkv)
         else:
             o = paged_attention(qkv, kv_cache, layer, plan, hq, hkv)
         out = torch.addmm(h, o, self.o_proj.weight_t)
@@ -172,8 +176,30 @@ class CausalLM(nn.Module):
         return F.linear(last, self.lm_head.weight).float()
 
 
-def build_model(cfg: ModelConfig, state_dict: dict[str, torch.Tensor]) -> CausalLM:
-    """Create a CausalLM in eval mode from HF-named tensors (converted to ``cfg.dtype``).
+    @torch.no_grad()
+    def forward_decode_static(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                              plan: StaticDecodePlan, max_position: int) -> torch.Tensor:
+        """One fixed-shape decode step (what a CUDA graph captures): no validation, no host sync.
+
+        Args:
+            input_ids, positions: int64 ``[B]`` on the model's device.
+            kv_cache: as ``forward``; updated in place.
+            plan: from :func:`~splitserve.model.attention_static.static_decode_plan`.
+            max_position: an upper bound of ``positions`` + 1 (the RoPE table must already hold it, or it grows).
+        Returns:
+            float32 ``[B, vocab_size]`` logits.
+        """
+        c = self.config
+        h = F.embedding(input_ids, self.model.embed_tokens.weight)
+        cos, sin = self.rotary.cos_sin(positions, max_position, h.dtype)
+        for i, layer in enumerate(self.model.layers):
+            h = layer.forward(h, cos, sin, kv_cache, i, plan)
+        last = F.rms_norm(h, (c.hidden_size,), self.model.norm.weight, self.model.norm.eps)
+        return F.linear(last, self.lm_head.weight).float()
+
+
+def build_model(cfg: ModelConfig, state_dict: dict[str, torch.Tensor], device: str = "cpu") -> CausalLM:
+    """Create a CausalLM in eval mode from HF-named tensors (converted to ``cfg.dtype``, then moved to ``device``).
 
     Tied models may provide either ``model.embed_tokens.weight`` or ``lm_head.weight``; both then
     share one tensor. ``model.rotary_emb.*`` / ``*.rotary_emb.inv_freq`` entries are ignored.
@@ -204,4 +230,6 @@ def build_model(cfg: ModelConfig, state_dict: dict[str, torch.Tensor]) -> Causal
         model.lm_head.weight = model.model.embed_tokens.weight
     model.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     model.fuse_projections()
+    if device != "cpu":  # cast on the host (half the bytes for 16-bit dtypes), then one move; tied weights stay one
+        model.to(device)
     return model.eval().requires_grad_(False)

@@ -43,8 +43,8 @@ class LoadedModel:
 _WITH_WEIGHTS = {"synthetic": load_synthetic, "hf": load_hf_folder, "gguf": load_gguf_file}
 
 
-def load_model(path: str | Path, dtype: str = "float32", *, weights: bool = True) -> LoadedModel:
-    """Load a Hugging Face model folder or a ``.gguf`` file onto the CPU.
+def load_model(path: str | Path, dtype: str = "float32", *, weights: bool = True, device: str = "cpu") -> LoadedModel:
+    """Load a Hugging Face model folder or a ``.gguf`` file onto ``device`` (read and cast on the CPU, then moved).
 
     Args:
         path: HF folder (config.json + *.safetensors + tokenizer.json), a GGUF file, or
@@ -53,6 +53,7 @@ def load_model(path: str | Path, dtype: str = "float32", *, weights: bool = True
             checkpoint's (config.json ``torch_dtype``; a GGUF file's weight type, float32 for quantized
             types, which are dequantised at load; float32 for synthetic models).
         weights: False reads only config, tokenizer and generation settings (no tensors).
+        device: "cpu" (default), "cuda" or "cuda:N": where the weights (and RoPE tables) live.
     Raises:
         FileNotFoundError: the path or a required file does not exist.
         ValueError: bad dtype, not a model folder/GGUF file, or malformed contents.
@@ -64,7 +65,7 @@ def load_model(path: str | Path, dtype: str = "float32", *, weights: bool = True
     info = info_of(parts, source.name)
     return LoadedModel(
         config=info.config,
-        model=build_model(parts.config, parts.state_dict) if weights else None,
+        model=build_model(parts.config, parts.state_dict, device) if weights else None,
         tokenizer=info.tokenizer,
         model_id=info.model_id,
         eos_token_ids=info.eos_token_ids,

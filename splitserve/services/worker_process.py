@@ -37,7 +37,7 @@ async def start_engine(config: WorkerConfig) -> tuple[Any, AsyncEngine]:
     """Apply the process settings, load the model and start the engine thread. Returns (model, engine)."""
     keepalive.configure(config.keepalive)
     set_torch_threads(config.torch_threads, pin_process(config.cpus))
-    lm = load_model(config.model, dtype=config.engine.dtype)
+    lm = load_model(config.model, dtype=config.engine.dtype, device=config.engine.device)
     engine = AsyncEngine(lm, config.engine)
     apply_engine_faults(engine)  # tests only (PD_FAULT_STEP_DELAY_MS)
     await engine.start()
