@@ -33,14 +33,15 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: its sibling benchmark is importable
-from multiturn_prefix import ENV, received_bytes, start_router  # noqa: E402
+from multiturn_prefix import ENV, received_bytes, start_router
 from splitserve.launcher import build_cluster
 from splitserve.model import load_model
 from splitserve.paths import default_model_path
 from splitserve.served_model import load_served_model
 from splitserve.transfer.layout import KVLayout
 
-USER = ("Tell me a story.", "Tell me a story about a girl.", "Hi", "Tell me about the sun.", "And then?", "What did she do next?", "Write a story about Lily and her ball.",
+USER = ("Tell me a story.", "Tell me a story about a girl.", "Hi", "Tell me about the sun.", "And then?", "What did she do next?",
+        "Write a story about Lily and her ball.",
         "Who was in the park?", "Why was he sad?", "Tell me about the dog.", "How did it end?", "What is your name?",
         "Can you tell me more?", "Where did they go?", "What happened to the cat?")
 CONFIGS = (("on", "decode-0", ()), ("off", "decode-1", ("--no-chat-token-continuity",)))

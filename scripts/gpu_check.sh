@@ -7,7 +7,7 @@
 # 1. environment: a venv (.venv-gpu) that sees a preinstalled torch==2.13.0 with CUDA if the machine has one,
 #    else installs torch==2.13.0 from PyPI's default index (on Linux x86_64 that wheel is the CUDA build) or from
 #    $WHEELHOUSE (pip --no-index --find-links) when set; then the project (pip install -e .) and pytest.
-# 2. the GPU tests: tests/test_gpu.py (and the device plumbing tests) with -x, under a time limit.
+# 2. the GPU tests: tests/gpu/ (engine and KV transfer; and the device plumbing tests) with -x, under a time limit.
 # 3. a short decode benchmark (benchmarks/engine_decode_step.py): step time at batch 1/16/64 with CUDA graphs and
 #    eagerly, against the memory-bandwidth bound (weight + KV bytes / $PD_GPU_BANDWIDTH_GBPS, default 4800 GB/s: H200).
 # 4. UCX: the transports ucx_info lists, and UCX_TLS.
@@ -55,7 +55,7 @@ print(f"{p.name}: {p.total_memory / 2**30:.0f} GiB, {p.multi_processor_count} SM
 EOF
 
 step "GPU tests"
-timeout 330 "$PY" -m pytest -x -q -rs -p no:cacheprovider -p no:randomly tests/test_engine_device.py tests/test_gpu.py \
+timeout 330 "$PY" -m pytest -x -q -rs -p no:cacheprovider -p no:randomly tests/test_engine_device.py tests/gpu/ \
     2>&1 | tee "$OUT/pytest.log"
 rc=${PIPESTATUS[0]}
 [ "$rc" -eq 0 ] || fail "GPU tests (exit $rc; 124: time limit)"

@@ -24,7 +24,7 @@ from splitserve.transfer.testing import SenderProcess, block_bytes, expected_blo
 
 apply_ucx_env_defaults()
 
-pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
               pytest.mark.asyncio(loop_scope="module")]
 
 LAYOUT = KVLayout("test-model", num_layers=4, num_kv_heads=4, head_dim=64, block_size=16, dtype="bfloat16")
