@@ -4,9 +4,9 @@
 #
 #   scripts/gpu_check.sh            # output under $OUT (default ./gpu_check_out): gpu_check.log, pytest.log, decode_*.jsonl
 #
-# 1. environment: a venv (.venv-gpu) that sees a preinstalled torch==2.13.0 with CUDA if the machine has one,
-#    else installs torch==2.13.0 from PyPI's default index (on Linux x86_64 that wheel is the CUDA build) or from
-#    $WHEELHOUSE (pip --no-index --find-links) when set; then the project (pip install -e .) and pytest.
+# 1. environment: a venv (.venv-gpu) over the machine's Python and its CUDA torch. On the lent H200 (no registry
+#    reachable) the other packages come from .gpu-wheels/, built here by scripts/gpu_wheels.py and carried
+#    (device run, carry [".gpu-wheels"]); elsewhere torch==2.13.0 and the project install from PyPI (or $WHEELHOUSE).
 # 2. the GPU tests: tests/gpu/ (engine and KV transfer; and the device plumbing tests) with -x, under a time limit.
 # 3. a short decode benchmark (benchmarks/engine_decode_step.py): step time at batch 1/16/64 with CUDA graphs and
 #    eagerly, against the memory-bandwidth bound (weight + KV bytes / $PD_GPU_BANDWIDTH_GBPS, default 4800 GB/s: H200).
@@ -18,7 +18,7 @@ OUT="${OUT:-$PWD/gpu_check_out}"
 mkdir -p "$OUT"
 exec > >(tee "$OUT/gpu_check.log") 2>&1
 export PD_GPU_BANDWIDTH_GBPS="${PD_GPU_BANDWIDTH_GBPS:-4800}"
-PYTHON="${PYTHON:-python3}"
+PYTHON="${PYTHON:-$( [ -x /opt/torch/.venv/bin/python3 ] && echo /opt/torch/.venv/bin/python3 || echo python3)}"
 VENV="${VENV:-$PWD/.venv-gpu}"
 status=0
 step() { echo; echo "=== $* ($(date -u +%H:%M:%S))"; }
@@ -34,18 +34,25 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 PY="$VENV/bin/python"
 PIP=("$PY" -m pip install --progress-bar off --disable-pip-version-check --retries 1 --timeout 30)
-if [ -n "${WHEELHOUSE:-}" ]; then
-    PIP+=(--no-index --find-links "$WHEELHOUSE")
-fi
-has_cuda_torch() {
-    "$PY" -c 'import sys, torch; sys.exit(0 if torch.__version__.startswith("2.13.0") and torch.version.cuda else 1)' 2>/dev/null
+has_cuda_torch() {  # any CUDA build of torch: the lent image has its own (2.11 + CUDA 13), the project pins 2.13.0 on CPU
+    "$PY" -c 'import sys, torch; sys.exit(0 if torch.version.cuda else 1)' 2>/dev/null
 }
-if has_cuda_torch; then
-    echo "using the installed torch"
+if [ -d .gpu-wheels ]; then
+    # offline (the lent machine reaches no registry): the wheels scripts/gpu_wheels.py gathered, carried here
+    timeout 240 "${PIP[@]}" --no-index --no-deps .gpu-wheels/*.whl || fail "pip install .gpu-wheels"
+    timeout 120 "${PIP[@]}" --no-index --no-deps --no-build-isolation -e . \
+        || { echo "editable install failed: using PYTHONPATH"; export PYTHONPATH="$PWD:$PWD/gen${PYTHONPATH:+:$PYTHONPATH}"; }
 else
-    timeout 420 "${PIP[@]}" "torch==2.13.0" || fail "pip install torch==2.13.0"
+    if [ -n "${WHEELHOUSE:-}" ]; then
+        PIP+=(--no-index --find-links "$WHEELHOUSE")
+    fi
+    if has_cuda_torch; then
+        echo "using the installed torch"
+    else
+        timeout 420 "${PIP[@]}" "torch==2.13.0" || fail "pip install torch==2.13.0"
+    fi
+    timeout 240 "${PIP[@]}" -e . "pytest>=8" "pytest-asyncio>=0.24" || fail "pip install -e . pytest pytest-asyncio"
 fi
-timeout 240 "${PIP[@]}" -e . "pytest>=8" "pytest-asyncio>=0.24" || fail "pip install -e . pytest pytest-asyncio"
 "$PY" - <<'EOF' || { fail "torch sees no CUDA GPU"; exit "$status"; }
 import torch
 print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
