@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import grpc
@@ -154,7 +155,11 @@ class Colocated:
 
 def read_up_banner(proc, timeout_s: float = 150) -> list[str]:
     """Lines printed by a `splitserve up` process (stdout piped, text mode) up to and including its
-    "Ctrl-C stops the cluster" banner, or until it exits or ``timeout_s`` passes (the caller asserts on them)."""
+    "Ctrl-C stops the cluster" banner, or until it exits or ``timeout_s`` passes (the caller asserts on them).
+
+    Then a daemon thread keeps reading the pipe into ``proc.later_lines``: the cluster's processes log to it, and a
+    pipe nobody reads fills up (64 KiB) and blocks whichever process writes next, mid-request (a CI run hung a
+    stream that way)."""
     lines: list[str] = []
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -164,4 +169,6 @@ def read_up_banner(proc, timeout_s: float = 150) -> list[str]:
         lines.append(line)
         if "Ctrl-C stops the cluster" in line:
             break
+    proc.later_lines = later = []
+    threading.Thread(target=lambda: later.extend(iter(proc.stdout.readline, "")), daemon=True, name="up-stdout").start()
     return lines
