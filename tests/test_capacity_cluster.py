@@ -140,10 +140,11 @@ async def test_a_burst_beyond_the_free_kv_blocks_completes_with_the_reference_to
     report = await capacity.wait_idle()
     p, d = report["prefill-0"], report["decode-0"]
     assert p["kv_blocks_total"] == PREFILL_BLOCKS and d["kv_blocks_total"] == DECODE_BLOCKS
-    # the burst did wait for blocks on both workers (decode: 20 requests of up to 4 blocks, 12 blocks), and
-    # nothing failed, timed out or fell back (counted from before the burst: the other tests share these workers)
+    # the burst did wait for blocks on the prefill worker (forced: the held KV), and nothing failed, timed out or fell
+    # back (counted from before the burst: the other tests share these workers). Whether decode also waits (20
+    # requests of up to 4 blocks for 12 blocks) depends on how many decode legs overlap, which the machine's speed
+    # decides (and repeats share prompt blocks there): once in CI none waited, so it is not asserted
     assert p["kv_block_waits"] > before["prefill-0"]["kv_block_waits"]
-    assert d["kv_block_waits"] > before["decode-0"]["kv_block_waits"]
     for s, name in ((p, "prefill-0"), (d, "decode-0")):
         for counter in ("queue_timeouts", "queue_refused"):
             assert s[counter] == before[name][counter], (name, counter)
