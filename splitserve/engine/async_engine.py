@@ -402,12 +402,21 @@ class AsyncEngine:
         if not fut.cancelled() and fut.exception() is None:
             self.core.free(fut.result())
 
-    async def stats(self) -> dict[str, float]:
+    async def stats(self, *, wait_for_step: bool = True) -> dict[str, float]:
+        """Engine counters (KV blocks, requests running and waiting, steps, tokens, prefix cache).
+
+        ``wait_for_step=True`` reads them on the engine thread between steps, after every command queued before
+        (a free, an incref): one consistent reading, which can take as long as the step in progress.
+        ``wait_for_step=False`` reads them now on the caller's thread, for GetStats: a step may last seconds (a
+        long prefill, a slow machine), and a poll that waited for it would miss the router's deadline and take a
+        busy, healthy worker out of rotation. Each value is then a ``len()`` or an int the engine thread updates
+        whole (atomic under the GIL): at most one step or queued command stale, never torn.
+        """
         def read() -> dict[str, float]:
             return {
                 "kv_blocks_total": self.block_manager.num_blocks,
                 "kv_blocks_free": self.block_manager.num_free,
-                "requests_running": len(self.core.scheduler.running),
+                "requests_running": len(self.core.scheduler.running) + self.core.scheduler.num_prefilling,
                 "requests_waiting": len(self.core.scheduler.waiting),
                 "kv_allocations_waiting": len(self.core.admission.waiters),
                 "queue_refused": self.core.admission.num_refused,
@@ -419,10 +428,12 @@ class AsyncEngine:
                 **self._prefix_cache_stats(),
             }
 
+        if not wait_for_step:
+            return read()
         return await asyncio.wrap_future(self.core.call(read))
 
     def _prefix_cache_stats(self) -> dict[str, float]:
-        """Prefix cache counters (engine thread): blocks cached (evictable), looked up, hit, evicted."""
+        """Prefix cache counters: blocks cached (evictable), looked up, hit, evicted."""
         bm = self.block_manager
         if not isinstance(bm, PrefixCachingBlockManager):
             return {}

@@ -228,6 +228,7 @@ class EngineCore:
             token_ids = self.runner.execute(seqs)
         except Exception as exc:
             logger.exception("forward pass failed for %d requests", len(seqs))
+            self.scheduler.num_prefilling = 0
             self._fail(seqs, exc)
             return True
         self.num_steps += 1

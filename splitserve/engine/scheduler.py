@@ -55,6 +55,7 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.num_prefilling = 0  # admitted to the step in progress, in neither queue until it ends (unchunked)
         self.reserved_blocks = 0  # promised to a waiting block allocation: admissions leave them free
         self.num_block_waits = 0  # requests that found too few free KV blocks at the head of the queue
         self.prefix_cache = block_manager if isinstance(block_manager, PrefixCachingBlockManager) else None
@@ -97,6 +98,7 @@ class Scheduler:
         With chunked prefill a batch may mix decodes and prompt chunks; each sequence's
         ``num_scheduled_tokens`` then says how many of its new tokens this step feeds.
         """
+        self.num_prefilling = 0
         if self.config.chunked_prefill:
             return self._schedule_chunked()
         batch: list[Sequence] = []
@@ -111,6 +113,7 @@ class Scheduler:
             batch.append(seq)
             num_tokens += seq.num_new_tokens
         if batch:
+            self.num_prefilling = len(batch)
             return batch, True
         return self._schedule_decode(), False
 
@@ -212,6 +215,7 @@ class Scheduler:
         partial prefill chunk only advances ``num_computed_tokens`` (its sampled token is dropped).
         """
         finished = []
+        self.num_prefilling = 0
         for seq, token_id in zip(seqs, token_ids):
             if seq.is_partial_prefill:
                 seq.num_computed_tokens += seq.num_step_tokens

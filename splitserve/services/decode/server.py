@@ -83,7 +83,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         return common_pb2.GetKVLayoutResponse(layout=layout_to_proto(self.engine.layout.on_device(self.engine.kv_cache.device.type)))
 
     async def GetStats(self, request, context) -> common_pb2.GetStatsResponse:
-        counters = await self.engine.stats()
+        counters = await self.engine.stats(wait_for_step=False)  # never wait for a long step
         counters.update(self.worker.stats(), grpc_bytes_received=self.grpc_bytes.bytes_received,
                         grpc_bytes_sent=self.grpc_bytes.bytes_sent)
         return common_pb2.GetStatsResponse(counters=counters)

@@ -73,7 +73,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         return common_pb2.GetKVLayoutResponse(layout=layout_to_proto(layout), kv_endpoint=self.endpoint)
 
     async def GetStats(self, request, context) -> common_pb2.GetStatsResponse:
-        counters = await self.engine.stats()
+        counters = await self.engine.stats(wait_for_step=False)  # never wait for a long step
         counters.update(self.worker.stats(), grpc_bytes_received=self.grpc_bytes.bytes_received,
                         grpc_bytes_sent=self.grpc_bytes.bytes_sent)
         return common_pb2.GetStatsResponse(counters=counters)
