@@ -25,6 +25,10 @@ COPY protos/ protos/
 COPY models/ models/
 # editable install: splitserve.paths finds the baked-in model relative to the source tree
 RUN pip install -e . && python -c "import splitserve.cli, pd.v1.router_pb2"
+# the CPU GEMM kernel, compiled here (g++ only in this stage) into the tree the runtime stage copies
+ENV PD_KERNEL_CACHE=/opt/splitserve/.kernels
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/* \
+ && python -m splitserve.kernels.cpu_gemm
 
 FROM ${PYTHON_IMAGE} AS runtime
 ARG DEVICE=cpu
@@ -37,6 +41,7 @@ COPY --from=build /opt/venv /opt/venv
 COPY --from=build --chown=root:root /opt/splitserve /opt/splitserve
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
+    PD_KERNEL_CACHE=/opt/splitserve/.kernels \
     PD_MODEL=/opt/splitserve/models/TinyStories-656K \
     PD_DEVICE=${DEVICE} \
     PD_HOST=0.0.0.0 \

@@ -60,15 +60,17 @@ def test_torch_threads_flag_defaults_to_auto():
 
 
 class _LM:
-    def __init__(self, dtype: str) -> None:
+    def __init__(self, dtype: str, packed: bool = False) -> None:
         self.config = type("Cfg", (), {"dtype": dtype})()
+        self.model = type("Model", (), {"packed_for_cpu": packed})()
 
 
-def test_decode_threads_auto_is_one_for_float32_and_all_for_bf16_and_fp16():
+def test_decode_threads_auto_is_one_for_float32_on_torch_mm_and_all_otherwise():
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         assert ModelRunner(_LM("float32"), torch.empty(0), 16, -1).threads_for(1, 1) == 1
+        assert ModelRunner(_LM("float32", packed=True), torch.empty(0), 16, -1).threads_for(1, 1) == 2  # CPU GEMM kernel
         assert ModelRunner(_LM("bfloat16"), torch.empty(0), 16, -1).threads_for(1, 1) == 2
         assert ModelRunner(_LM("float16"), torch.empty(0), 16, -1).threads_for(4, 4) == 2
         assert ModelRunner(_LM("bfloat16"), torch.empty(0), 16, 1).threads_for(1, 1) == 1  # an explicit count wins

@@ -44,10 +44,9 @@ def add_engine_args(ap: argparse.ArgumentParser, *, prefix_caching: bool = True)
                     help="torch threads of prefill (and mixed) steps; 0: as many as the CPUs of --cpus, else "
                          "(unpinned) all CPUs this process may use for `colocated`, 1 for a worker beside others")
     ap.add_argument("--decode-threads", type=int, default=env_int("PD_DECODE_THREADS", -1),
-                    help="torch threads of decode steps of fewer than 16 sequences (0: as --torch-threads; -1: by dtype: "
-                         "1 for float32 weights, where a second thread made such steps slower on a 2-core machine, "
-                         "as --torch-threads for bfloat16/float16, whose decode is compute-bound without native bf16 "
-                         "units and ran 1.4x faster on two threads)")
+                    help="torch threads of decode steps of fewer than 16 sequences (0: as --torch-threads; -1: auto: "
+                         "as --torch-threads, except 1 for float32 weights on torch.mm (no CPU GEMM kernel: "
+                         "PD_CPU_KERNELS=0, no AVX2 or no g++), where a second thread made such steps slower)")
     ap.add_argument("--cpus", default=env_str("PD_CPUS", ""),
                     help="pin this process's threads to these CPUs (e.g. 0 or 0,2-3), so workers sharing a machine do not "
                          "fight over cores; empty: no pinning")

@@ -20,7 +20,10 @@ from splitserve.model import AttentionMetadata, LoadedModel
 PARALLEL_DECODE_MIN_SEQS = 16
 # bfloat16 on the same machine (AVX2: no bf16 units, every weight is converted) is compute-bound: single-stream
 # decode 67 tokens/s on 1 thread vs 95 on 2, batch 4 37.6 vs 25.3 ms per step (benchmarks/results/peers.md,
-# quiet machine). So ``decode_threads`` -1 (auto) means 1 thread for float32 and all of them otherwise.
+# quiet machine). float32 weights packed for splitserve's CPU GEMM kernel (splitserve/kernels/cpu_gemm.py) split
+# each weight stream across threads: 2 threads beat 1 at every batch (ms per step, batch 1/4/8/16/32:
+# 11.5/13.6/20.7/33.9/59.0 vs 15.2/21.5/31.2/56.1/85.6; benchmarks/results/engine_cpu_gemm.txt). So
+# ``decode_threads`` -1 (auto) means 1 thread for float32 on torch.mm and all of them otherwise.
 
 
 class ModelRunner:
@@ -30,7 +33,8 @@ class ModelRunner:
     ``PARALLEL_DECODE_MIN_SEQS`` sequences runs with ``decode_threads`` torch threads; every other step
     (prefill, mixed, large decode batches) with the thread count set when the runner was built
     (``--torch-threads``). ``decode_threads`` 0 means the same for all steps; -1 (auto) 1 for float32
-    weights and the same for all steps for bfloat16/float16 (see ``PARALLEL_DECODE_MIN_SEQS``).
+    weights on torch.mm and the same for all steps otherwise (bfloat16/float16, or float32 weights packed for the
+    CPU GEMM kernel; see ``PARALLEL_DECODE_MIN_SEQS``).
 
     Device: the model's and the KV cache's (``device``). On a GPU, a step's inputs go up in one copy and its sampled
     token ids come down in one; decode steps replay CUDA graphs when ``graphs`` is given (see
@@ -45,7 +49,8 @@ class ModelRunner:
         self.device = kv_cache.device
         self.prefill_threads = torch.get_num_threads()
         if decode_threads < 0:
-            decode_threads = 1 if lm is None or lm.config.dtype == "float32" else 0
+            on_mm = lm is None or (lm.config.dtype == "float32" and not getattr(lm.model, "packed_for_cpu", False))
+            decode_threads = 1 if on_mm else 0
         self.decode_threads = min(decode_threads, self.prefill_threads) or self.prefill_threads
         self._buffers = StepBuffers(device=self.device)
         self.graphs = graphs

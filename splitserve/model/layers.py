@@ -48,9 +48,9 @@ class SwiGLUMLP(nn.Module):
 
     def forward_add(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``residual + mlp(x)`` after ``fuse``: ``[T, hidden]`` each."""
-        gu = torch.mm(x, self.gate_up_proj.weight_t)  # [T, 2 * intermediate]
+        gu = self.gate_up_proj.forward(x)  # [T, 2 * intermediate]
         act = F.silu(gu[:, : self.intermediate], inplace=True).mul_(gu[:, self.intermediate :])
-        return torch.addmm(residual, act, self.down_proj.weight_t)
+        return self.down_proj.forward_add(residual, act)
 
 
 class TransposedLinear(nn.Module):
@@ -60,13 +60,18 @@ class TransposedLinear(nn.Module):
     machine (MKL sgemm, 1 thread, torch 2.13), the decode GEMVs of a 25M Llama ran ~25% faster so than as
     ``F.linear(x, W)``. bfloat16/float16 weights keep HF's ``[out, in]`` storage (``weight_t`` is its
     transposed view): without AVX512-BF16/AMX, torch's reduced-precision GEMM was ~6x slower on a
-    contiguous ``[in, out]`` operand. ``weight`` is the HF-shaped ``[out, in]`` view.
+    contiguous ``[in, out]`` operand. ``weight`` is the HF-shaped ``[out, in]`` view (a copy once packed).
+
+    :meth:`pack_for_cpu` replaces ``weight_t`` by ``packed``, 16-column panels ``[ceil(out/16), in, 16]`` that
+    splitserve's CPU GEMM kernel streams (:mod:`splitserve.kernels.cpu_gemm`; float32 on the CPU only).
     """
 
     def __init__(self, weight_t: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
-        self.weight_t = nn.Parameter(weight_t, requires_grad=False)
+        self.weight_t: nn.Parameter | None = nn.Parameter(weight_t, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.packed: nn.Parameter | None = None
+        self.out_features = weight_t.shape[1]
 
     @classmethod
     def of(cls, *parts: nn.Linear) -> "TransposedLinear":
@@ -75,9 +80,36 @@ class TransposedLinear(nn.Module):
         bias = None if parts[0].bias is None else torch.cat([p.bias for p in parts])
         return cls(w.t().contiguous() if w.dtype == torch.float32 else w.t(), bias)
 
+    def pack_for_cpu(self) -> None:
+        """Store the weight as the CPU kernel's panels (float32 CPU weights; the caller checked the kernel loads)."""
+        from splitserve.kernels.cpu_gemm import pack
+
+        self.packed = nn.Parameter(pack(self.weight_t.t()), requires_grad=False)
+        self.weight_t = None
+
     @property
     def weight(self) -> torch.Tensor:
+        if self.packed is not None:
+            from splitserve.kernels.cpu_gemm import unpack
+
+            return unpack(self.packed, self.out_features)
         return self.weight_t.t()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x ``[T, in]`` -> ``[T, out]``."""
+        if self.packed is not None:
+            from splitserve.kernels.cpu_gemm import packed_gemm
+
+            out = packed_gemm(x, self.packed, self.out_features)
+            return out if self.bias is None else out.add_(self.bias)
         return torch.mm(x, self.weight_t) if self.bias is None else torch.addmm(self.bias, x, self.weight_t)
+
+    def forward_add(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``residual + x @ weight_t + bias``: residual ``[T, out]``, x ``[T, in]`` (one fused call)."""
+        if self.packed is not None:
+            from splitserve.kernels.cpu_gemm import packed_gemm
+
+            out = packed_gemm(x, self.packed, self.out_features, residual)
+        else:
+            out = torch.addmm(residual, x, self.weight_t)
+        return out if self.bias is None else out.add_(self.bias)

@@ -15,6 +15,7 @@ from torch import nn
 
 import torch.nn.functional as F
 
+from splitserve.kernels import cpu_gemm
 from splitserve.model.attention import AttentionMetadata, paged_attention, plan_attention
 from splitserve.model.attention_ref import reference_attention
 from splitserve.model.attention_static import StaticDecodePlan, static_decode_attention
@@ -66,8 +67,7 @@ class Attention(nn.Module):
             o = static_decode_attention(qkv, kv_cache, layer, plan, hq, hkv)
         else:
             o = paged_attention(qkv, kv_cache, layer, plan, hq, hkv)
-        out = torch.addmm(h, o, self.o_proj.weight_t)
-        return out if self.o_proj.bias is None else out.add_(self.o_proj.bias)
+        return self.o_proj.forward_add(h, o)
 
 
 class DecoderLayer(nn.Module):
@@ -109,12 +109,30 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=torch_dtype(cfg.dtype))
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.reference_attention = False
+        self.packed_for_cpu = False  # pack_for_cpu ran: projections run on splitserve's CPU GEMM kernel
 
     def fuse_projections(self) -> None:
         """Fuse q/k/v and gate/up projections in place (after the HF-named weights are loaded)."""
         for layer in self.model.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
+
+    def pack_for_cpu(self) -> None:
+        """Pack every projection (and an untied lm_head, as a copy beside its weight) for splitserve's CPU GEMM
+        kernel (:mod:`splitserve.kernels.cpu_gemm`); after ``fuse_projections``, float32 CPU weights only."""
+        for layer in self.model.layers:
+            for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+                proj.pack_for_cpu()
+        if not self.config.tie_word_embeddings:
+            self.register_buffer("lm_head_packed", cpu_gemm.pack(self.lm_head.weight), persistent=False)
+        self.packed_for_cpu = True
+
+    def logits(self, last: torch.Tensor) -> torch.Tensor:
+        """float32 ``[R, vocab_size]`` logits of final-normed hidden states ``last`` ``[R, hidden]``."""
+        packed = getattr(self, "lm_head_packed", None)
+        if packed is not None:
+            return cpu_gemm.packed_gemm(last, packed, self.config.vocab_size)
+        return F.linear(last, self.lm_head.weight).float()
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int, int, int]:
         """``(num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)``."""
@@ -173,7 +191,7 @@ class CausalLM(nn.Module):
         elif plan.last_token_index is not None:
             h = h[plan.last_token_index]
         last = F.rms_norm(h, (c.hidden_size,), self.model.norm.weight, self.model.norm.eps)
-        return F.linear(last, self.lm_head.weight).float()
+        return self.logits(last)
 
 
     @torch.no_grad()
@@ -195,7 +213,7 @@ class CausalLM(nn.Module):
         for i, layer in enumerate(self.model.layers):
             h = layer.forward(h, cos, sin, kv_cache, i, plan)
         last = F.rms_norm(h, (c.hidden_size,), self.model.norm.weight, self.model.norm.eps)
-        return F.linear(last, self.lm_head.weight).float()
+        return self.logits(last)
 
 
 def build_model(cfg: ModelConfig, state_dict: dict[str, torch.Tensor], device: str = "cpu") -> CausalLM:
@@ -230,6 +248,8 @@ def build_model(cfg: ModelConfig, state_dict: dict[str, torch.Tensor], device: s
         model.lm_head.weight = model.model.embed_tokens.weight
     model.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     model.fuse_projections()
+    if device == "cpu" and cfg.dtype == "float32" and cpu_gemm.load() is not None:
+        model.pack_for_cpu()
     if device != "cpu":  # cast on the host (half the bytes for 16-bit dtypes), then one move; tied weights stay one
         model.to(device)
     return model.eval().requires_grad_(False)
