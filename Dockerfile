@@ -25,10 +25,10 @@ COPY protos/ protos/
 COPY models/ models/
 # editable install: splitserve.paths finds the baked-in model relative to the source tree
 RUN pip install -e . && python -c "import splitserve.cli, pd.v1.router_pb2"
-# the CPU GEMM kernel, compiled here (g++ only in this stage) into the tree the runtime stage copies
+# splitserve's CPU kernels, compiled here (g++ only in this stage) into the tree the runtime stage copies
 ENV PD_KERNEL_CACHE=/opt/splitserve/.kernels
 RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/* \
- && python -m splitserve.kernels.cpu_gemm
+ && python -m splitserve.kernels.build
 
 FROM ${PYTHON_IMAGE} AS runtime
 ARG DEVICE=cpu

@@ -12,9 +12,9 @@ $(STAMP): pyproject.toml
 	# torch first, pinned: the CPU wheel; an unpinned torch would pull a multi-GB CUDA build
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]'
-	# the CPU GEMM kernel (splitserve/kernels/cpu_gemm.cpp), built once here so no server builds it at start-up;
-	# without g++ the model runs on torch.mm
-	$(PY) -m splitserve.kernels.cpu_gemm || echo "CPU GEMM kernel not built: float32 models will use torch.mm"
+	# splitserve's CPU kernels (splitserve/kernels/cpu_kernels.cpp), built once here so no server builds them at start-up;
+	# without g++ float32 models run on torch.mm and SDPA
+	$(PY) -m splitserve.kernels.build || echo "CPU kernels not built: float32 models will run on torch.mm and SDPA"
 	touch $(STAMP)
 
 install: $(STAMP)

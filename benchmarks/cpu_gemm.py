@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from splitserve.kernels import cpu_gemm
+from splitserve.kernels import build, cpu_gemm
 from splitserve.model.config import ModelConfig
 
 
@@ -44,7 +44,7 @@ def main() -> None:
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--repeat", type=int, default=9)
     a = ap.parse_args()
-    if cpu_gemm.load() is None:
+    if build.load() is None:
         raise SystemExit("the CPU GEMM kernel is not available (PD_CPU_KERNELS=0, no AVX2, or no g++)")
     from splitserve.model import load_model
 

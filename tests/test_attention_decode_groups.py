@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from splitserve.model import AttentionMetadata, load_model
@@ -20,7 +21,8 @@ def decode_meta(ctxs: list[int]) -> AttentionMetadata:
     return AttentionMetadata(slots, [1] * len(ctxs), [c + 1 for c in ctxs], tables, BS)
 
 
-def test_long_context_decode_gets_its_own_group():
+def test_long_context_decode_gets_its_own_group(monkeypatch):
+    monkeypatch.setenv("PD_CPU_KERNELS", "0")  # the torch path groups decodes; the CPU kernel takes them all at once
     ctxs = [30, 300, 35, 31, 290]
     cache = torch.zeros(200, 1, 2, BS, 1, 8)
     plan = plan_attention(decode_meta(ctxs), len(ctxs), cache)
@@ -29,7 +31,9 @@ def test_long_context_decode_gets_its_own_group():
     assert [(g.num_blocks, g.length) for g in plan.decode_groups] == [(9, 36), (76, 301)]  # padded to whole blocks of the longest context
 
 
-def test_grouped_decode_equals_per_sequence_path():
+@pytest.mark.parametrize("kernels", ["0", "1"])
+def test_grouped_decode_equals_per_sequence_path(kernels, monkeypatch):
+    monkeypatch.setenv("PD_CPU_KERNELS", kernels)
     lm = load_model("synthetic:llama-tiny")
     ctxs = [3, 40, 5, 90, 41]
     meta = decode_meta(ctxs)

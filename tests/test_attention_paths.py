@@ -1,5 +1,5 @@
-"""Block-gather paged attention equals the per-token reference path (attention_ref.py): at block
-boundaries (prompt lengths block_size - 1, block_size, block_size + 1), for batches of sequences of
+"""Block-gather paged attention (decodes: splitserve's CPU kernel, and the torch path) equals the per-token
+reference path (attention_ref.py): at block boundaries (prompt lengths block_size - 1, block_size, block_size + 1), for batches of sequences of
 different lengths, for prefix-cached prefill chunks, and for grouped-query attention (4 and 2 query
 heads per KV head, with and without Qwen3's q/k norm)."""
 
@@ -68,6 +68,13 @@ def both(pager: Pager, batch) -> torch.Tensor:
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(pager.cache, ref_cache, atol=1e-5, rtol=1e-5)
     return got
+
+
+@pytest.fixture(autouse=True, params=["cpu-kernel", "torch"])
+def decode_attention(request, monkeypatch):
+    """Both decode paths: splitserve's CPU kernel (in place) and the torch one (block gather + SDPA)."""
+    monkeypatch.setenv("PD_CPU_KERNELS", "1" if request.param == "cpu-kernel" else "0")
+    return request.param
 
 
 @pytest.fixture(scope="module", params=["llama-gqa2", "qwen3-gqa4"])

@@ -1,1 +1,3 @@
-"""splitserve's own CPU kernels (C++ built with torch's extension builder): see :mod:`splitserve.kernels.cpu_gemm`."""
+"""splitserve's own CPU kernels (C++, ``cpu_kernels.cpp``, built by :mod:`splitserve.kernels.build` with torch's
+extension builder): the packed GEMM of the projections (:mod:`splitserve.kernels.cpu_gemm`) and decode attention
+read in place from the paged KV cache (:mod:`splitserve.kernels.paged_decode`)."""

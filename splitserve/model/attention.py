@@ -10,7 +10,9 @@ write the new K/V with one indexed store, gather each sequence's context as whol
 (``index_select`` over the block axis: one copy of ``num_blocks * block_size`` tokens, no per-token
 index), and attend with SDPA's grouped-query mode (K/V are never repeated per query head).
 Sequences with one new token (decode) are batched by similar context length (the longest context of
-a batch at most twice its shortest) into one SDPA call per batch, padded to whole blocks and masked;
+a batch at most twice its shortest) into one SDPA call per batch, padded to whole blocks and masked (on the CPU,
+for a float32 cache, splitserve's kernel instead reads every decode's K/V in place in one call:
+:mod:`splitserve.kernels.paged_decode`);
 the others (prefill, prefix-cached prefill) run one SDPA call each, causal without a mask when the
 whole context is new.
 """
@@ -22,6 +24,8 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+
+from splitserve.kernels import paged_decode
 
 
 @dataclass
@@ -64,6 +68,15 @@ class _DecodeGroup:
 
 
 @dataclass
+class _InPlaceDecode:
+    """Every decode of the step for the CPU kernel (:mod:`splitserve.kernels.paged_decode`), read in place."""
+
+    tokens: torch.Tensor | None  # [B] token index of each decode in the batch (None: tokens 0..B-1 in order)
+    block_tables: torch.Tensor  # [B, M] int64, rows padded with their last block (never read past seq_lens)
+    seq_lens: torch.Tensor  # [B] int64
+
+
+@dataclass
 class AttentionPlan:
     """Per-forward indices derived from AttentionMetadata (shared by all layers)."""
 
@@ -72,6 +85,7 @@ class AttentionPlan:
     last_token_index: torch.Tensor | None  # [num_seqs] each sequence's last token (None: T == num_seqs)
     decode_groups: list[_DecodeGroup] = field(default_factory=list)
     prefills: list[_Prefill] = field(default_factory=list)
+    in_place_decode: _InPlaceDecode | None = None  # the decodes, when the CPU kernel serves them (no groups then)
 
 
 def _check(attn: AttentionMetadata, num_tokens: int, num_blocks: int, bs: int) -> list[int]:
@@ -141,6 +155,9 @@ def plan_attention(attn: AttentionMetadata, num_tokens: int, kv_cache: torch.Ten
             prefills.append((start, qlen, slen, len(host)))
             host.append(torch.tensor(table[: -(-slen // bs)], dtype=torch.int64))
         start += qlen
+    in_place = _in_place_decode(decodes, bs, num_tokens) if decodes and paged_decode.usable(kv_cache) else None
+    if in_place is not None:
+        decodes = []
     decodes.sort(key=lambda d: d[1])
     groups = []  # (tokens, blocks, lens: indices into host or None; num_blocks, length)
     while decodes:  # shortest first; a group takes sequences up to twice its shortest context
@@ -149,7 +166,8 @@ def plan_attention(attn: AttentionMetadata, num_tokens: int, kv_cache: torch.Ten
         groups.append(_decode_group(decodes[:n], bs, num_tokens, host))
         decodes = decodes[n:]
     t = _to_device(host, dev)
-    plan = AttentionPlan(write_blocks=t[0], write_offsets=t[1], last_token_index=t[2] if num_tokens != len(attn.query_lens) else None)
+    plan = AttentionPlan(write_blocks=t[0], write_offsets=t[1], last_token_index=t[2] if num_tokens != len(attn.query_lens) else None,
+                         in_place_decode=in_place)
     for begin, qlen, slen, blocks in prefills:
         mask = None
         if blocks is not None:
@@ -161,6 +179,19 @@ def plan_attention(attn: AttentionMetadata, num_tokens: int, kv_cache: torch.Ten
             mask = (torch.arange(length, device=dev)[None, :] < t[lens][:, None]).view(-1, 1, 1, length)
         plan.decode_groups.append(_DecodeGroup(None if tokens is None else t[tokens], t[blocks], m, length, mask))
     return plan
+
+
+def _in_place_decode(decodes: list[tuple[int, int, list[int]]], bs: int, num_tokens: int) -> _InPlaceDecode:
+    """The CPU kernel's inputs for ``decodes`` (token index, seq_len, block table), in batch order."""
+    m = max(-(-slen // bs) for _, slen, _ in decodes)
+    tables = []
+    for _, slen, table in decodes:
+        used = table[: -(-slen // bs)]
+        tables.append(used + [used[-1]] * (m - len(used)))
+    tokens = [d[0] for d in decodes]
+    in_order = len(tokens) == num_tokens  # decodes are found in batch order: all of them means tokens 0..T-1
+    return _InPlaceDecode(None if in_order else torch.tensor(tokens, dtype=torch.int64),
+                          torch.tensor(tables, dtype=torch.int64), torch.tensor([d[1] for d in decodes], dtype=torch.int64))
 
 
 def _to_device(host: list[torch.Tensor], dev: torch.device) -> list[torch.Tensor]:
@@ -206,9 +237,19 @@ def paged_attention(qkv: torch.Tensor, kv_cache: torch.Tensor, layer: int, plan:
     cache = kv_cache.select(1, layer)  # [N, 2, bs, Hkv, D]
     cache[plan.write_blocks, :, plan.write_offsets] = qkv[:, hq:].view(t, 2, hkv, d)
     q = qkv[:, :hq]
+    ip = plan.in_place_decode
+    if ip is not None and ip.tokens is None and not plan.prefills:  # decode-only batch on the CPU kernel
+        return paged_decode.paged_decode_attention(q, kv_cache, layer, ip.block_tables, ip.seq_lens).view(t, hq * d)
     if len(plan.decode_groups) == 1 and plan.decode_groups[0].tokens is None and not plan.prefills:
         return _decode(q, cache, plan.decode_groups[0]).view(t, hq * d)  # decode-only batch: no scatter
     out = torch.empty(t, hq, d, dtype=qkv.dtype, device=qkv.device)
+    if ip is not None:
+        qd = q if ip.tokens is None else q[ip.tokens]
+        o = paged_decode.paged_decode_attention(qd, kv_cache, layer, ip.block_tables, ip.seq_lens)
+        if ip.tokens is None:
+            out[:] = o
+        else:
+            out[ip.tokens] = o
     for g in plan.decode_groups:
         if g.tokens is None:
             out[:] = _decode(q, cache, g).squeeze(2)

@@ -15,6 +15,7 @@ from torch import nn
 
 import torch.nn.functional as F
 
+from splitserve.kernels import build as kernels_build
 from splitserve.kernels import cpu_gemm
 from splitserve.model.attention import AttentionMetadata, paged_attention, plan_attention
 from splitserve.model.attention_ref import reference_attention
@@ -248,7 +249,7 @@ def build_model(cfg: ModelConfig, state_dict: dict[str, torch.Tensor], device: s
         model.lm_head.weight = model.model.embed_tokens.weight
     model.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     model.fuse_projections()
-    if device == "cpu" and cfg.dtype == "float32" and cpu_gemm.load() is not None:
+    if device == "cpu" and cfg.dtype == "float32" and kernels_build.load() is not None:
         model.pack_for_cpu()
     if device != "cpu":  # cast on the host (half the bytes for 16-bit dtypes), then one move; tied weights stay one
         model.to(device)

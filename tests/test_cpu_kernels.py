@@ -1,16 +1,18 @@
-"""splitserve's packed CPU GEMM kernel (splitserve/kernels/cpu_gemm.cpp) against torch, and the model on it."""
+"""splitserve's CPU kernels (splitserve/kernels/cpu_kernels.cpp) against torch: the packed GEMM (and the model on
+it), and decode attention read in place from the paged KV cache."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from splitserve.kernels import cpu_gemm
-from splitserve.model import load_model
+from splitserve.kernels import build, cpu_gemm, paged_decode
+from splitserve.model import AttentionMetadata, load_model
 
-pytestmark = pytest.mark.skipif(not cpu_gemm.enabled(), reason="no AVX2 on this CPU (or PD_CPU_KERNELS=0)")
+pytestmark = pytest.mark.skipif(not build.enabled(), reason="no AVX2 on this CPU (or PD_CPU_KERNELS=0)")
 
 
 def test_the_kernel_builds_on_a_machine_with_avx2():
-    assert cpu_gemm.load() is not None, "g++/ninja missing? the model would run on torch.mm"
+    assert build.load() is not None, "g++/ninja missing? the model would run on torch.mm"
 
 
 @pytest.mark.parametrize("n", [16, 50, 2048])
@@ -74,3 +76,47 @@ def test_float32_cpu_models_run_on_packed_weights_and_match_torch_mm(monkeypatch
 def test_bfloat16_models_keep_torch_weights():
     lm = load_model("synthetic:llama-tiny", dtype="bfloat16")
     assert lm.model.model.layers[0].mlp.gate_up_proj.packed is None
+
+
+def _paged(num_blocks, layers, bs, hkv, d, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(num_blocks, layers, 2, bs, hkv, d, generator=g), g
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(8, 4, 64), (8, 2, 16), (4, 4, 12), (6, 1, 8)])
+def test_paged_decode_attention_equals_sdpa_over_the_gathered_context(hq, hkv, d):
+    """GQA groups of 1..6, head_dim not a multiple of 8, contexts at and across block boundaries, random block ids."""
+    bs, layers, layer = 4, 3, 1
+    cache, g = _paged(64, layers, bs, hkv, d, hq * 100 + d)
+    lens = [1, bs - 1, bs, bs + 1, 3 * bs, 37]
+    m = max(-(-n // bs) for n in lens)
+    ids = torch.randperm(64, generator=g).tolist()
+    tables = [ids[i * m : (i + 1) * m] for i in range(len(lens))]
+    q = torch.randn(len(lens), hq, d, generator=g)
+    got = paged_decode.paged_decode_attention(q, cache, layer, torch.tensor(tables), torch.tensor(lens))
+    for b, n in enumerate(lens):
+        k = cache[tables[b], layer, 0].reshape(-1, hkv, d)[:n].transpose(0, 1)  # [Hkv, n, D]
+        v = cache[tables[b], layer, 1].reshape(-1, hkv, d)[:n].transpose(0, 1)
+        want = F.scaled_dot_product_attention(q[b].unsqueeze(1), k, v, enable_gqa=True).squeeze(1)  # [Hq, D]
+        torch.testing.assert_close(got[b], want, rtol=1e-5, atol=1e-5)
+
+
+def test_paged_decode_attention_refuses_bad_tables():
+    cache, _ = _paged(8, 1, 4, 2, 8, 0)
+    q = torch.randn(1, 2, 8)
+    with pytest.raises(RuntimeError, match="out of range"):
+        paged_decode.paged_decode_attention(q, cache, 0, torch.tensor([[8, 0]]), torch.tensor([5]))
+    with pytest.raises(RuntimeError, match="not in"):
+        paged_decode.paged_decode_attention(q, cache, 0, torch.tensor([[1, 0]]), torch.tensor([9]))
+    with pytest.raises(RuntimeError, match="layer"):
+        paged_decode.paged_decode_attention(q, cache, 1, torch.tensor([[1, 0]]), torch.tensor([5]))
+
+
+def test_float32_cpu_decode_steps_plan_the_kernel_and_others_do_not(monkeypatch):
+    from splitserve.model.attention import plan_attention
+
+    meta = AttentionMetadata(torch.tensor([1, 9]), [1, 1], [6, 2], [[1, 0], [2]], 4)
+    assert plan_attention(meta, 2, torch.zeros(4, 1, 2, 4, 1, 8)).in_place_decode is not None
+    assert plan_attention(meta, 2, torch.zeros(4, 1, 2, 4, 1, 8, dtype=torch.bfloat16)).in_place_decode is None
+    monkeypatch.setenv("PD_CPU_KERNELS", "0")
+    assert plan_attention(meta, 2, torch.zeros(4, 1, 2, 4, 1, 8)).in_place_decode is None

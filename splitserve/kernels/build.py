@@ -1,0 +1,115 @@
+"""Build and load splitserve's CPU kernels (``cpu_kernels.cpp``: :mod:`~splitserve.kernels.cpu_gemm`'s packed GEMM
+and :mod:`~splitserve.kernels.paged_decode`'s decode attention), one C++ extension.
+
+The extension is compiled by :func:`torch.utils.cpp_extension.load` (g++ and ninja; ~1 minute, once per source
+and torch version) into ``$PD_KERNEL_CACHE`` (default ``~/.cache/splitserve/kernels``); ``make install`` builds
+it (``python -m splitserve.kernels.build``), and a process that finds no build makes one (processes that start
+together wait on torch's build lock). Used only on a CPU with AVX2 and FMA, for float32 models on the CPU, and
+never when ``PD_CPU_KERNELS=0``; if the build fails the model runs on ``torch.mm`` and SDPA and one warning says why.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from splitserve.env import env_bool
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+# -fopenmp: at::parallel_for is an OpenMP pragma in torch's CPU build; without it the kernel runs on one thread
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
+
+
+def enabled() -> bool:
+    """``PD_CPU_KERNELS`` is not false and torch reports AVX2 or better on this CPU.
+
+    Raises:
+        splitserve.env.EnvError: ``PD_CPU_KERNELS`` is not a boolean."""
+    if not env_bool("PD_CPU_KERNELS", True):
+        return False
+    return torch.backends.cpu.get_cpu_capability().startswith(("AVX2", "AVX512"))
+
+
+def _build_dir(source: bytes) -> Path:
+    tag = hashlib.sha256(source + torch.__version__.encode() + sys.version.encode()).hexdigest()[:16]
+    root = Path(os.environ.get("PD_KERNEL_CACHE") or Path.home() / ".cache" / "splitserve" / "kernels")
+    return root / tag
+
+
+def _with_ninja_on_path() -> None:
+    """torch's builder runs ``ninja`` from PATH; the ``ninja`` wheel's binary is not on it in an unactivated venv."""
+    try:
+        import ninja
+    except ImportError:
+        return
+    if ninja.BIN_DIR not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
+def load() -> ModuleType | None:
+    """The compiled extension (built first if needed), or None when disabled or the build fails (logged once)."""
+    return _load() if enabled() else None
+
+
+def loaded() -> ModuleType | None:
+    """The extension whatever ``PD_CPU_KERNELS`` says now (weights packed while it was on keep running on it)."""
+    return _load()
+
+
+@functools.lru_cache(maxsize=1)
+def _load() -> ModuleType | None:
+    build_dir = _build_dir(SOURCE.read_bytes() + repr(CFLAGS).encode())
+    name = f"splitserve_cpu_kernels_{build_dir.name}"
+    built = build_dir / f"{name}.so"
+    try:
+        if built.exists():  # a finished build of this very source: import it (no compiler or write access needed)
+            return _import(name, built)
+        build_dir.mkdir(parents=True, exist_ok=True)
+        _with_ninja_on_path()
+        from torch.utils.cpp_extension import load as load_extension
+
+        started = time.monotonic()
+        logger.info("building splitserve's CPU kernels into %s (once, about a minute)", build_dir)
+        module = load_extension(name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+                                build_directory=str(build_dir), verbose=False)
+        logger.info("built splitserve's CPU kernels in %.0f s", time.monotonic() - started)
+        return module
+    except Exception as exc:  # no compiler, no ninja, a read-only cache: run on torch.mm
+        lines = str(exc).strip().splitlines()
+        logger.warning("CPU kernels unavailable (%s: %s); float32 models run on torch.mm and SDPA", type(exc).__name__,
+                       lines[-1] if lines else "")
+        return None
+
+
+def _import(name: str, path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def main() -> None:
+    """``python -m splitserve.kernels.build``: build (or find) the kernel and say where; exit 1 if unavailable."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if not enabled():
+        print("CPU kernels: disabled (PD_CPU_KERNELS=0 or no AVX2 on this CPU); torch.mm serves")
+        return
+    module = load()
+    if module is None:
+        raise SystemExit(1)
+    print(f"CPU kernels: {module.__file__}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,270 @@
+// splitserve's CPU kernels (float32, AVX2/FMA), built by splitserve/kernels/build.py:
+//   packed_gemm             projections of every step (below)
+//   paged_decode_attention  decode attention read in place from the paged KV cache (further below)
+//
+// packed_gemm: small-M fp32 GEMM over weights packed in 16-column panels.
+//
+//   out[M, N] = residual[M, N] (or 0) + x[M, K] @ W^T,   W: [N, K] (a Linear's weight)
+//
+// The weight is packed once at load (splitserve/kernels/cpu_gemm.py: pack) as panels [ceil(N/16), K, 16]:
+// panel p holds columns [16p, 16p + 16) of W^T row by row, zero-padded past N. One panel is read as one
+// sequential stream (K * 64 bytes), so a decode step (M = running sequences, 1..64) reads each weight byte
+// from memory once, at close to the machine's streaming rate, instead of the strided or packed-per-call reads of
+// a general sgemm (benchmarks/cpu_gemm.py, benchmarks/results/engine_cpu_gemm.txt). Register tile:
+// up to 6 rows x 16 columns (12 accumulators + 2 weight vectors + 1 broadcast = 15 of the 16 ymm registers,
+// the classic AVX2 6x16 micro-kernel shape of BLIS/OpenBLAS sgemm). Rows of a panel are computed 6 at a time
+// while the panel stays in L1/L2. Panels are split across torch's intra-op threads (at::parallel_for).
+// Each output element sums k = 0..K-1 in order, so a row's result does not depend on M or the thread count.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kPanel = 16;
+
+// Accumulators are named locals, not an array: with an array GCC 12 kept them on the stack (a store per FMA).
+#define SSK_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
+
+template <int MR>
+inline void store_row(__m256 lo, __m256 hi, float* o, const float* r, int64_t width) {
+  if (width == kPanel) {
+    if (r) {
+      lo = _mm256_add_ps(lo, _mm256_loadu_ps(r));
+      hi = _mm256_add_ps(hi, _mm256_loadu_ps(r + 8));
+    }
+    _mm256_storeu_ps(o, lo);
+    _mm256_storeu_ps(o + 8, hi);
+  } else {  // the last panel of an N that is not a multiple of 16
+    alignas(32) float tmp[kPanel];
+    _mm256_store_ps(tmp, lo);
+    _mm256_store_ps(tmp + 8, hi);
+    for (int64_t j = 0; j < width; ++j) o[j] = tmp[j] + (r ? r[j] : 0.0f);
+  }
+}
+
+template <int MR>
+inline void panel_rows(const float* x, int64_t K, const float* panel, float* out, const float* res, int64_t N,
+                       int64_t n0, int64_t width) {
+#define SSK_DECL(m) __m256 c##m##0 = _mm256_setzero_ps(), c##m##1 = _mm256_setzero_ps(); \
+  const float* x##m = x + (m < MR ? m : 0) * K;
+  SSK_ROWS(SSK_DECL)
+#undef SSK_DECL
+  const float* w = panel;
+  for (int64_t k = 0; k < K; ++k, w += kPanel) {
+    const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);
+#define SSK_FMA(m) if constexpr (m < MR) { const __m256 b = _mm256_broadcast_ss(x##m + k); \
+    c##m##0 = _mm256_fmadd_ps(b, w0, c##m##0); c##m##1 = _mm256_fmadd_ps(b, w1, c##m##1); }
+    SSK_ROWS(SSK_FMA)
+#undef SSK_FMA
+  }
+#define SSK_STORE(m) if constexpr (m < MR) { \
+    store_row<MR>(c##m##0, c##m##1, out + m * N + n0, res ? res + m * N + n0 : nullptr, width); }
+  SSK_ROWS(SSK_STORE)
+#undef SSK_STORE
+}
+
+void panel(const float* x, int64_t M, int64_t K, const float* packed, int64_t p, float* out, const float* res,
+           int64_t N) {
+  const float* pw = packed + p * K * kPanel;
+  const int64_t n0 = p * kPanel, width = std::min(kPanel, N - n0);
+  int64_t m = 0;
+  for (; m + 6 <= M; m += 6) panel_rows<6>(x + m * K, K, pw, out + m * N, res ? res + m * N : nullptr, N, n0, width);
+  const float* xr = x + m * K;
+  float* o = out + m * N;
+  const float* r = res ? res + m * N : nullptr;
+  switch (M - m) {
+    case 5: panel_rows<5>(xr, K, pw, o, r, N, n0, width); break;
+    case 4: panel_rows<4>(xr, K, pw, o, r, N, n0, width); break;
+    case 3: panel_rows<3>(xr, K, pw, o, r, N, n0, width); break;
+    case 2: panel_rows<2>(xr, K, pw, o, r, N, n0, width); break;
+    case 1: panel_rows<1>(xr, K, pw, o, r, N, n0, width); break;
+    default: break;
+  }
+}
+
+}  // namespace
+
+// x: [M, K] fp32 contiguous; packed: [ceil(N/16), K, 16] fp32 contiguous; residual: [M, N] fp32 contiguous or None.
+torch::Tensor packed_gemm(const torch::Tensor& x, const torch::Tensor& packed, int64_t N,
+                          const c10::optional<torch::Tensor>& residual) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous() && x.device().is_cpu(),
+              "packed_gemm: x must be a contiguous 2-D float32 CPU tensor");
+  const int64_t M = x.size(0), K = x.size(1), panels = (N + kPanel - 1) / kPanel;
+  TORCH_CHECK(packed.dim() == 3 && packed.size(0) == panels && packed.size(1) == K && packed.size(2) == kPanel &&
+              packed.scalar_type() == torch::kFloat && packed.is_contiguous(),
+              "packed_gemm: packed must be [ceil(N/16), K, 16] float32 contiguous, got ", packed.sizes(), " for N=", N,
+              " K=", K);
+  const float* res = nullptr;
+  if (residual.has_value()) {
+    const auto& r = *residual;
+    TORCH_CHECK(r.dim() == 2 && r.size(0) == M && r.size(1) == N && r.scalar_type() == torch::kFloat && r.is_contiguous(),
+                "packed_gemm: residual must be [M, N] float32 contiguous");
+    res = r.data_ptr<float>();
+  }
+  auto out = torch::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = packed.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, panels, 4, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) panel(xp, M, K, wp, p, op, res, N);
+  });
+  return out;
+}
+
+// paged_decode_attention: one query token per sequence (a decode step) against its whole context, read in place
+// from the paged KV cache: no gathered copy of the context, no padding to the longest sequence of the batch, and
+// grouped-query attention without repeating K/V (the G = Hq / Hkv query heads of a KV head share each K/V row).
+//
+//   q            [B, Hq, D]                               float32 contiguous (RoPE applied)
+//   kv_cache     [num_blocks, L, 2, block_size, Hkv, D]   float32 contiguous (this layer's K and V already written)
+//   block_tables [B, M] int64 (rows padded past each context), seq_lens [B] int64 (context tokens, >= 1)
+//   returns      [B, Hq, D] = softmax(q k^T * scale) v over positions [0, seq_len) of each sequence
+//
+// Per (sequence, KV head) pair (split across threads): the G rows of scores, exact softmax (max-subtracted, exp
+// below), then the weighted sum of V rows. Query head j attends with KV head j / G (Hugging Face repeat_kv).
+// Each pair is computed alone, so a sequence's output does not depend on the rest of the batch.
+namespace {
+
+// exp(x) for 8 floats: x = n ln2 + r, |r| <= ln2 / 2 (Cody-Waite split of ln2), e^r by its degree-6 Taylor
+// polynomial (relative error < 2e-7 on that range), 2^n built in the exponent bits. Inputs are <= 0 here
+// (max-subtracted scores); below -87.3 the result flushes to 0.
+inline __m256 exp256(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.3f);
+  const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_max_ps(x, lo);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 720);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline float dot(const float* a, const float* b, int64_t d) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= d; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  float s = hsum(acc);
+  for (; i < d; ++i) s += a[i] * b[i];
+  return s;
+}
+
+inline void axpy(float a, const float* x, float* y, int64_t d) {  // y += a * x
+  const __m256 av = _mm256_set1_ps(a);
+  int64_t i = 0;
+  for (; i + 8 <= d; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+  for (; i < d; ++i) y[i] += a * x[i];
+}
+
+// softmax of s[0, n) in place; returns nothing (the row sums to 1)
+inline void softmax(float* s, int64_t n) {
+  __m256 mv = _mm256_set1_ps(-INFINITY);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + i));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, mv);
+  float m = lanes[0];
+  for (int j = 1; j < 8; ++j) m = std::max(m, lanes[j]);
+  for (; i < n; ++i) m = std::max(m, s[i]);
+  const __m256 mb = _mm256_set1_ps(m);
+  __m256 sv = _mm256_setzero_ps();
+  i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + i), mb));
+    _mm256_storeu_ps(s + i, e);
+    sv = _mm256_add_ps(sv, e);
+  }
+  float sum = hsum(sv);
+  if (i < n) {  // the tail through the same exp, so every position is computed alike
+    alignas(32) float tail[8];
+    for (int j = 0; j < 8; ++j) tail[j] = i + j < n ? s[i + j] - m : -INFINITY;
+    _mm256_store_ps(tail, exp256(_mm256_load_ps(tail)));
+    for (int64_t j = 0; i + j < n; ++j) {
+      s[i + j] = tail[j];
+      sum += tail[j];
+    }
+  }
+  const float inv = 1.0f / sum;
+  for (i = 0; i < n; ++i) s[i] *= inv;
+}
+
+}  // namespace
+
+torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& kv_cache, int64_t layer,
+                                     const torch::Tensor& block_tables, const torch::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat && q.is_contiguous() && q.device().is_cpu(),
+              "paged_decode_attention: q must be [B, Hq, D] float32 contiguous on the CPU");
+  TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.size(2) == 2 && kv_cache.scalar_type() == torch::kFloat &&
+              kv_cache.is_contiguous() && kv_cache.device().is_cpu(),
+              "paged_decode_attention: kv_cache must be [num_blocks, L, 2, block_size, Hkv, D] float32 contiguous");
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
+  const int64_t num_blocks = kv_cache.size(0), L = kv_cache.size(1), bs = kv_cache.size(3), Hkv = kv_cache.size(4);
+  TORCH_CHECK(kv_cache.size(5) == D && Hkv > 0 && Hq % Hkv == 0 && 0 <= layer && layer < L,
+              "paged_decode_attention: head_dim, head counts or layer do not match the cache");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == B && block_tables.scalar_type() == torch::kLong &&
+              block_tables.is_contiguous() && seq_lens.dim() == 1 && seq_lens.size(0) == B &&
+              seq_lens.scalar_type() == torch::kLong && seq_lens.is_contiguous(),
+              "paged_decode_attention: block_tables must be [B, M] int64 and seq_lens [B] int64, contiguous");
+  const int64_t M = block_tables.size(1), G = Hq / Hkv;
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(lens[b] >= 1 && lens[b] <= M * bs, "paged_decode_attention: seq_len ", lens[b], " of sequence ", b,
+                " is not in [1, ", M * bs, "]");
+    for (int64_t j = 0; j < (lens[b] + bs - 1) / bs; ++j)
+      TORCH_CHECK(tables[b * M + j] >= 0 && tables[b * M + j] < num_blocks, "paged_decode_attention: block id ",
+                  tables[b * M + j], " out of range");
+  }
+  auto out = torch::zeros({B, Hq, D}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const float* cache = kv_cache.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t row = Hkv * D;               // one token of one of K / V
+  const int64_t kv_stride = bs * row;        // K -> V within a block and layer
+  const int64_t block_stride = L * 2 * kv_stride;
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t w0, int64_t w1) {
+    std::vector<float> scores;
+    for (int64_t w = w0; w < w1; ++w) {
+      const int64_t b = w / Hkv, h = w % Hkv, n = lens[b];
+      scores.resize(G * n);
+      const float* qh = qp + (b * Hq + h * G) * D;
+      for (int64_t t = 0; t < n; ++t) {
+        const float* k = cache + tables[b * M + t / bs] * block_stride + layer * 2 * kv_stride + (t % bs) * row + h * D;
+        for (int64_t g = 0; g < G; ++g) scores[g * n + t] = dot(qh + g * D, k, D) * sc;
+      }
+      for (int64_t g = 0; g < G; ++g) softmax(scores.data() + g * n, n);
+      float* oh = op + (b * Hq + h * G) * D;
+      for (int64_t t = 0; t < n; ++t) {
+        const float* v = cache + tables[b * M + t / bs] * block_stride + layer * 2 * kv_stride + kv_stride +
+                         (t % bs) * row + h * D;
+        for (int64_t g = 0; g < G; ++g) axpy(scores[g * n + t], v, oh + g * D, D);
+      }
+    }
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("packed_gemm", &packed_gemm, "residual + x @ W^T over a 16-column panel-packed W (fp32, AVX2/FMA)");
+  m.def("paged_decode_attention", &paged_decode_attention, "decode attention read in place from the paged KV cache");
+}

@@ -1,0 +1,42 @@
+"""Decode attention read in place from the paged KV cache (``cpu_kernels.cpp``: ``paged_decode_attention``).
+
+The torch path of :mod:`splitserve.model.attention` gathers each decode sequence's context blocks into a copy
+(``index_select``), pads the batch to its longest context and runs SDPA with a mask. On the CPU, for float32
+caches, this kernel reads the K/V rows where they are (block table lookups), computes each sequence's own
+context length only, and shares each K/V row among the query heads of its group (GQA). Built and loaded by
+:mod:`splitserve.kernels.build`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from splitserve.kernels import build
+
+
+def usable(kv_cache: torch.Tensor) -> bool:
+    """The kernel serves this cache: float32, contiguous, on the CPU, and the kernels are enabled and built."""
+    return (kv_cache.device.type == "cpu" and kv_cache.dtype == torch.float32 and kv_cache.is_contiguous()
+            and build.load() is not None)
+
+
+def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, block_tables: torch.Tensor,
+                           seq_lens: torch.Tensor) -> torch.Tensor:
+    """``softmax(q K^T / sqrt(D)) V`` of one query token per sequence over its context in ``kv_cache``.
+
+    Args:
+        q: float32 ``[B, Hq, D]`` (made contiguous if it is not); query head j attends with KV head ``j // (Hq / Hkv)``.
+        kv_cache: float32 ``[num_blocks, num_layers, 2, block_size, Hkv, D]`` contiguous, this step's K/V written.
+        layer: which layer's K/V.
+        block_tables: int64 ``[B, M]``: each sequence's block ids (entries past its context are not read).
+        seq_lens: int64 ``[B]``: context tokens of each sequence (1 .. M * block_size).
+    Returns:
+        float32 ``[B, Hq, D]``.
+    Raises:
+        RuntimeError: bad shapes, dtypes, a block id out of range, a length outside its table, or no kernels.
+    """
+    module = build.loaded()
+    if module is None:
+        raise RuntimeError("splitserve's CPU kernels are not available")
+    return module.paged_decode_attention(q if q.is_contiguous() else q.contiguous(), kv_cache, layer, block_tables,
+                                         seq_lens, q.shape[-1] ** -0.5)
