@@ -3,9 +3,10 @@ device's memory-bandwidth bound (weight bytes + KV bytes read per step / bandwid
 
     .venv/bin/python benchmarks/engine_decode_step.py [--model synthetic:llama-25m] [--device cpu|cuda]
         [--dtype float32] [--batches 1,16,64] [--context 256] [--steps 20] [--enforce-eager]
-        [--bandwidth-gbps 4800]   # default: PD_GPU_BANDWIDTH_GBPS, else 4800 (H200 HBM3e) on cuda, memcpy on cpu
+        [--threads 1]  [--bandwidth-gbps 4800]   # default: PD_GPU_BANDWIDTH_GBPS, else 4800 (H200 HBM3e) on cuda, memcpy on cpu
 
-On cuda the runner replays CUDA graphs (captured once per bucket before timing) unless ``--enforce-eager``.
+On the CPU, float32 runs on splitserve's CPU kernels unless ``PD_CPU_KERNELS=0`` (torch.mm and SDPA): run both
+for an A/B. On cuda the runner replays CUDA graphs (captured once per bucket before timing) unless ``--enforce-eager``.
 Also runs on a tree without ``--device`` support (cpu only), so a before/after pair can run in one session.
 """
 
@@ -50,7 +51,7 @@ def _runner(lm, batch: int, context: int, steps: int, device: str, eager: bool):
     else:
         cache = lm.model.allocate_kv_cache(blocks, BS)
     kwargs = {"graphs": graphs} if "graphs" in inspect.signature(ModelRunner).parameters else {}
-    runner = ModelRunner(lm, cache, BS, 1, **kwargs)
+    runner = ModelRunner(lm, cache, BS, 0, **kwargs)  # every step on the torch threads set in main (--threads)
     params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
     seqs = [Sequence(f"r{i}", [(7 * i + j) % 200 + 3 for j in range(context)], params,
                      block_table=list(range(i * per_seq, (i + 1) * per_seq))) for i in range(batch)]
@@ -100,11 +101,12 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads of every step (cpu)")
     ap.add_argument("--bandwidth-gbps", type=float, default=float(os.environ.get("PD_GPU_BANDWIDTH_GBPS", 0) or 0),
                     help="memory bandwidth for the bound, GB/s (0: 4800 on cuda, a measured memcpy on cpu)")
     ap.add_argument("--json", action="store_true", help="one JSON line per batch size")
     a = ap.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(a.threads)
     lm = _load(a.model, a.dtype, a.device)
     bw = a.bandwidth_gbps or (4800.0 if a.device != "cpu" else 0.0)
     if not bw:
@@ -113,7 +115,9 @@ def main() -> None:
         bw = memcpy_bandwidth() / 1e9
     mode = "eager" if a.enforce_eager or a.device == "cpu" else "cuda graphs"
     if not a.json:
-        print(f"{a.model} {a.dtype} on {a.device} ({mode}), context {a.context}, bound at {bw:.0f} GB/s")
+        kernels = "splitserve CPU kernels" if getattr(lm.model, "packed_for_cpu", False) else "torch"
+        print(f"{a.model} {a.dtype} on {a.device} ({mode}, {kernels}, {a.threads} threads), context {a.context}, "
+              f"bound at {bw:.0f} GB/s")
         print("| batch | step ms (median) | min | bound ms | step / bound | tokens/s |\n|---|---|---|---|---|---|")
     for b in (int(x) for x in a.batches.split(",")):
         ms, best = decode_ms(lm, b, a.context, a.steps, a.device, a.enforce_eager)

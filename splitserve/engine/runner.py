@@ -22,7 +22,7 @@ PARALLEL_DECODE_MIN_SEQS = 16
 # decode 67 tokens/s on 1 thread vs 95 on 2, batch 4 37.6 vs 25.3 ms per step (benchmarks/results/peers.md,
 # quiet machine). float32 weights packed for splitserve's CPU GEMM kernel (splitserve/kernels/cpu_gemm.py) split
 # each weight stream across threads: 2 threads beat 1 at every batch (ms per step, batch 1/4/8/16/32:
-# 11.5/13.6/20.7/33.9/59.0 vs 15.2/21.5/31.2/56.1/85.6; benchmarks/results/engine_cpu_gemm.txt). So
+# 11.5/13.6/20.7/33.9/59.0 vs 15.2/21.5/31.2/56.1/85.6; benchmarks/results/engine_cpu_kernels.txt). So
 # ``decode_threads`` -1 (auto) means 1 thread for float32 on torch.mm and all of them otherwise.
 
 

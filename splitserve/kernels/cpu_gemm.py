@@ -3,7 +3,7 @@
 A decode step multiplies a few rows (one per running sequence, M = 1..64) by every weight matrix. A general
 sgemm (MKL, through ``torch.mm``) packs or strides through the weight on every call and, measured on this
 project's 2-core AVX2 machine, ran M = 2..16 at half the speed the weight bytes allow (M = 4 took 2.2x as long
-as this kernel; ``benchmarks/cpu_gemm.py``, ``benchmarks/results/engine_cpu_gemm.txt``). Weights are therefore
+as this kernel; ``benchmarks/cpu_gemm.py``, ``benchmarks/results/engine_cpu_kernels.txt``). Weights are therefore
 packed once, at load, into 16-column panels ``[ceil(N/16), K, 16]`` that the kernel streams sequentially; it
 serves every M (prefill too). Built and loaded by :mod:`splitserve.kernels.build`.
 """
@@ -51,4 +51,4 @@ def packed_gemm(x: torch.Tensor, packed: torch.Tensor, n: int, residual: torch.T
         raise RuntimeError("splitserve's CPU kernels are not available")
     if residual is not None and not residual.is_contiguous():
         residual = residual.contiguous()
-    return module.packed_gemm(x if x.is_contiguous() else x.contiguous(), packed, n, residual)
+    return module.packed_gemm(x if x.is_contiguous() else x.contiguous(), packed, n, residual, 0)  # 0: torch's thread count

@@ -10,14 +10,15 @@
 // panel p holds columns [16p, 16p + 16) of W^T row by row, zero-padded past N. One panel is read as one
 // sequential stream (K * 64 bytes), so a decode step (M = running sequences, 1..64) reads each weight byte
 // from memory once, at close to the machine's streaming rate, instead of the strided or packed-per-call reads of
-// a general sgemm (benchmarks/cpu_gemm.py, benchmarks/results/engine_cpu_gemm.txt). Register tile:
+// a general sgemm (benchmarks/cpu_gemm.py, benchmarks/results/engine_cpu_kernels.txt). Register tile:
 // up to 6 rows x 16 columns (12 accumulators + 2 weight vectors + 1 broadcast = 15 of the 16 ymm registers,
 // the classic AVX2 6x16 micro-kernel shape of BLIS/OpenBLAS sgemm). Rows of a panel are computed 6 at a time
-// while the panel stays in L1/L2. Panels are split across torch's intra-op threads (at::parallel_for).
+// while the panel stays in L1/L2. Panels are split across `threads` OpenMP threads (0: torch's intra-op count).
 // Each output element sums k = 0..K-1 in order, so a row's result does not depend on M or the thread count.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
@@ -90,8 +91,14 @@ void panel(const float* x, int64_t M, int64_t K, const float* packed, int64_t p,
 }  // namespace
 
 // x: [M, K] fp32 contiguous; packed: [ceil(N/16), K, 16] fp32 contiguous; residual: [M, N] fp32 contiguous or None.
+// Threads of a kernel call: `threads` > 0 as given, else torch's intra-op count. The kernels take their own count so
+// that a decode step can run them on every core while torch's small ops (norms, RoPE, SiLU) stay on one thread.
+static int kernel_threads(int64_t threads) {
+  return static_cast<int>(threads > 0 ? threads : at::get_num_threads());
+}
+
 torch::Tensor packed_gemm(const torch::Tensor& x, const torch::Tensor& packed, int64_t N,
-                          const c10::optional<torch::Tensor>& residual) {
+                          const c10::optional<torch::Tensor>& residual, int64_t threads) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous() && x.device().is_cpu(),
               "packed_gemm: x must be a contiguous 2-D float32 CPU tensor");
   const int64_t M = x.size(0), K = x.size(1), panels = (N + kPanel - 1) / kPanel;
@@ -110,9 +117,9 @@ torch::Tensor packed_gemm(const torch::Tensor& x, const torch::Tensor& packed, i
   const float* xp = x.data_ptr<float>();
   const float* wp = packed.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, panels, 4, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) panel(xp, M, K, wp, p, op, res, N);
-  });
+  const int nt = std::min<int64_t>(kernel_threads(threads), std::max<int64_t>(1, panels / 4));
+#pragma omp parallel for num_threads(nt) schedule(static)
+  for (int64_t p = 0; p < panels; ++p) panel(xp, M, K, wp, p, op, res, N);
   return out;
 }
 
@@ -125,9 +132,11 @@ torch::Tensor packed_gemm(const torch::Tensor& x, const torch::Tensor& packed, i
 //   block_tables [B, M] int64 (rows padded past each context), seq_lens [B] int64 (context tokens, >= 1)
 //   returns      [B, Hq, D] = softmax(q k^T * scale) v over positions [0, seq_len) of each sequence
 //
-// Per (sequence, KV head) pair (split across threads): the G rows of scores, exact softmax (max-subtracted, exp
-// below), then the weighted sum of V rows. Query head j attends with KV head j / G (Hugging Face repeat_kv).
-// Each pair is computed alone, so a sequence's output does not depend on the rest of the batch.
+// Per sequence (split across `threads` OpenMP threads, 0: torch's count): walk its blocks once for K (a token's K
+// rows of all heads are one contiguous run, a block bs of them in a row: sequential reads) to get every query
+// head's scores, exact softmax (max-subtracted, exp below), then once for V for the weighted sums. Query head j
+// attends with KV head j / G (Hugging Face repeat_kv). Each sequence is computed alone, so its output does not
+// depend on the rest of the batch.
 namespace {
 
 // exp(x) for 8 floats: x = n ln2 + r, |r| <= ln2 / 2 (Cody-Waite split of ln2), e^r by its degree-6 Taylor
@@ -210,7 +219,8 @@ inline void softmax(float* s, int64_t n) {
 }  // namespace
 
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& kv_cache, int64_t layer,
-                                     const torch::Tensor& block_tables, const torch::Tensor& seq_lens, double scale) {
+                                     const torch::Tensor& block_tables, const torch::Tensor& seq_lens, double scale,
+                                     int64_t threads) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat && q.is_contiguous() && q.device().is_cpu(),
               "paged_decode_attention: q must be [B, Hq, D] float32 contiguous on the CPU");
   TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.size(2) == 2 && kv_cache.scalar_type() == torch::kFloat &&
@@ -242,25 +252,30 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   const int64_t kv_stride = bs * row;        // K -> V within a block and layer
   const int64_t block_stride = L * 2 * kv_stride;
   const float sc = static_cast<float>(scale);
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t w0, int64_t w1) {
+  const int nt = std::min<int64_t>(kernel_threads(threads), B);
+#pragma omp parallel num_threads(nt)
+  {
     std::vector<float> scores;
-    for (int64_t w = w0; w < w1; ++w) {
-      const int64_t b = w / Hkv, h = w % Hkv, n = lens[b];
-      scores.resize(G * n);
-      const float* qh = qp + (b * Hq + h * G) * D;
-      for (int64_t t = 0; t < n; ++t) {
-        const float* k = cache + tables[b * M + t / bs] * block_stride + layer * 2 * kv_stride + (t % bs) * row + h * D;
-        for (int64_t g = 0; g < G; ++g) scores[g * n + t] = dot(qh + g * D, k, D) * sc;
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t n = lens[b];
+      scores.resize(Hq * n);
+      const float* qb = qp + b * Hq * D;
+      float* ob = op + b * Hq * D;
+      // K pass: token t's K row of every head is one contiguous Hkv * D run; a block holds bs of them in a row
+      for (int64_t j = 0, t = 0; t < n; ++j) {
+        const float* k = cache + tables[b * M + j] * block_stride + layer * 2 * kv_stride;
+        for (const int64_t end = std::min(n, t + bs); t < end; ++t, k += row)
+          for (int64_t hq = 0; hq < Hq; ++hq) scores[hq * n + t] = dot(qb + hq * D, k + (hq / G) * D, D) * sc;
       }
-      for (int64_t g = 0; g < G; ++g) softmax(scores.data() + g * n, n);
-      float* oh = op + (b * Hq + h * G) * D;
-      for (int64_t t = 0; t < n; ++t) {
-        const float* v = cache + tables[b * M + t / bs] * block_stride + layer * 2 * kv_stride + kv_stride +
-                         (t % bs) * row + h * D;
-        for (int64_t g = 0; g < G; ++g) axpy(scores[g * n + t], v, oh + g * D, D);
+      for (int64_t hq = 0; hq < Hq; ++hq) softmax(scores.data() + hq * n, n);
+      for (int64_t j = 0, t = 0; t < n; ++j) {  // V pass, same walk
+        const float* v = cache + tables[b * M + j] * block_stride + layer * 2 * kv_stride + kv_stride;
+        for (const int64_t end = std::min(n, t + bs); t < end; ++t, v += row)
+          for (int64_t hq = 0; hq < Hq; ++hq) axpy(scores[hq * n + t], v + (hq / G) * D, ob + hq * D, D);
       }
     }
-  });
+  }
   return out;
 }
 

@@ -39,4 +39,4 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, 
     if module is None:
         raise RuntimeError("splitserve's CPU kernels are not available")
     return module.paged_decode_attention(q if q.is_contiguous() else q.contiguous(), kv_cache, layer, block_tables,
-                                         seq_lens, q.shape[-1] ** -0.5)
+                                         seq_lens, q.shape[-1] ** -0.5, 0)  # 0: torch's threads
