@@ -25,8 +25,10 @@ COPY protos/ protos/
 COPY models/ models/
 # editable install: splitserve.paths finds the baked-in model relative to the source tree
 RUN pip install -e . && python -c "import splitserve.cli, pd.v1.router_pb2"
-# splitserve's CPU kernels, compiled here (g++ only in this stage) into the tree the runtime stage copies
+# splitserve's CPU kernels, compiled here (g++ only in this stage) into the tree the runtime stage copies; g++ is not
+# pinned: it is whatever the pinned base image's Debian release ships, and it never reaches the runtime image
 ENV PD_KERNEL_CACHE=/opt/splitserve/.kernels
+# hadolint ignore=DL3008
 RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/* \
  && python -m splitserve.kernels.build
 

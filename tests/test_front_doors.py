@@ -93,3 +93,16 @@ def test_colocated_server_and_front_doors_load_nothing_of_the_services() -> None
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+async def test_temperature_above_openais_two_is_refused_by_both_front_doors(doors) -> None:
+    http, stub, backend = doors
+    resp = await http.post("/v1/completions", json={"model": MODEL, "prompt": "Once", "max_tokens": 4, "temperature": 2.5})
+    assert resp.status_code == 400 and "temperature" in resp.json()["error"]["param"], resp.text
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        async for _ in stub.Generate(router_pb2.GenerateRequest(prompt="Once", sampling=S(max_tokens=4, temperature=2.5))):
+            pass
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "temperature" in err.value.details()
+    async for _ in stub.Generate(router_pb2.GenerateRequest(prompt="Once", sampling=S(max_tokens=4, temperature=2.0))):
+        pass  # the top of the range is served
+    assert backend.calls != []

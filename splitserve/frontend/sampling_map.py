@@ -97,6 +97,9 @@ def bad_words_token_ids(tokenizer: Any, words: Sequence[str]) -> tuple[tuple[int
     return BadWords(tokenizer)(words)
 
 
+MAX_TEMPERATURE = 2.0  # OpenAI's range, on both front doors (HTTP also checks it in its schema)
+
+
 def build_params(sampling: Any, max_tokens: int, bad_words: tuple[tuple[int, ...], ...]) -> SamplingParams:
     """:class:`SamplingParams` from a :class:`.prepare.SamplingRequest` whose budget (``max_tokens``) and
     bad words (token ids) are resolved.
@@ -104,6 +107,10 @@ def build_params(sampling: Any, max_tokens: int, bad_words: tuple[tuple[int, ...
     Raises:
         APIError: 400 naming the field SamplingParams refused (e.g. ``min_tokens`` above ``max_tokens``).
     """
+    temperature = sampling.options.get("temperature")
+    if temperature is not None and temperature > MAX_TEMPERATURE:  # the engine takes up to 100; the API, OpenAI's 2
+        raise APIError(f"Invalid value for 'temperature': must be in [0, {MAX_TEMPERATURE:g}], got {temperature!r}",
+                       param="temperature")
     try:
         return SamplingParams(**sampling.options, max_tokens=max_tokens, bad_words_token_ids=bad_words)
     except ValueError as e:

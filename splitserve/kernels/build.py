@@ -27,7 +27,8 @@ from splitserve.env import env_bool
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
-# -fopenmp: at::parallel_for is an OpenMP pragma in torch's CPU build; without it the kernel runs on one thread
+# -fopenmp: the kernels split their work with OpenMP pragmas (ignored without it: one thread); torch's CPU build
+# links the same libgomp, so both share one OpenMP runtime
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
 
 

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from splitserve.kernels import cpu_gemm
+
 
 class RMSNorm(nn.Module):
     """RMSNorm over the last dim, computed in float32 then cast back (as HF Llama does).
@@ -82,34 +84,26 @@ class TransposedLinear(nn.Module):
 
     def pack_for_cpu(self) -> None:
         """Store the weight as the CPU kernel's panels (float32 CPU weights; the caller checked the kernel loads)."""
-        from splitserve.kernels.cpu_gemm import pack
-
-        self.packed = nn.Parameter(pack(self.weight_t.t()), requires_grad=False)
+        self.packed = nn.Parameter(cpu_gemm.pack(self.weight_t.t()), requires_grad=False)
         self.weight_t = None
 
     @property
     def weight(self) -> torch.Tensor:
         if self.packed is not None:
-            from splitserve.kernels.cpu_gemm import unpack
-
-            return unpack(self.packed, self.out_features)
+            return cpu_gemm.unpack(self.packed, self.out_features)
         return self.weight_t.t()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[T, in]`` -> ``[T, out]``."""
         if self.packed is not None:
-            from splitserve.kernels.cpu_gemm import packed_gemm
-
-            out = packed_gemm(x, self.packed, self.out_features)
+            out = cpu_gemm.packed_gemm(x, self.packed, self.out_features)
             return out if self.bias is None else out.add_(self.bias)
         return torch.mm(x, self.weight_t) if self.bias is None else torch.addmm(self.bias, x, self.weight_t)
 
     def forward_add(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``residual + x @ weight_t + bias``: residual ``[T, out]``, x ``[T, in]`` (one fused call)."""
         if self.packed is not None:
-            from splitserve.kernels.cpu_gemm import packed_gemm
-
-            out = packed_gemm(x, self.packed, self.out_features, residual)
+            out = cpu_gemm.packed_gemm(x, self.packed, self.out_features, residual)
         else:
             out = torch.addmm(residual, x, self.weight_t)
         return out if self.bias is None else out.add_(self.bias)
