@@ -196,10 +196,12 @@ async def test_engine_with_fixed_shape_decode_equals_eager_engine(lm, monkeypatc
     assert calls and max(calls) == 3  # the decode steps took the fixed-shape path
 
 
-def test_attention_plan_upload_path_keeps_every_field():
+def test_attention_plan_upload_path_keeps_every_field(monkeypatch):
     """The GPU branch of plan_attention (every index tensor in one copy, masks built on the device), run on the meta
     device: the same fields and shapes as the cpu plan, everything on the cache's device."""
     from splitserve.model.attention import plan_attention
+
+    monkeypatch.setenv("PD_CPU_KERNELS", "0")  # the cpu plan of the torch path (the CPU kernel takes decodes ungrouped)
 
     bs = 4
     tables = [[0, 1], [2, 3, 4], [5], [6, 7, 8, 9, 10]]
