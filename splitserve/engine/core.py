@@ -228,9 +228,10 @@ class EngineCore:
             token_ids = self.runner.execute(seqs)
         except Exception as exc:
             logger.exception("forward pass failed for %d requests", len(seqs))
-            self.scheduler.num_prefilling = 0
             self._fail(seqs, exc)
             return True
+        finally:
+            self.scheduler.num_prefilling = 0  # the step's prompts go to running (or fail) next
         self.num_steps += 1
         self.num_prefill_tokens += num_prefill
         self.num_decode_tokens += num_decode

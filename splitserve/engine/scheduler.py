@@ -98,7 +98,7 @@ class Scheduler:
         With chunked prefill a batch may mix decodes and prompt chunks; each sequence's
         ``num_scheduled_tokens`` then says how many of its new tokens this step feeds.
         """
-        self.num_prefilling = 0
+        self.num_prefilling = 0  # the engine core clears it again once the step's forward is over
         if self.config.chunked_prefill:
             return self._schedule_chunked()
         batch: list[Sequence] = []
@@ -215,7 +215,6 @@ class Scheduler:
         partial prefill chunk only advances ``num_computed_tokens`` (its sampled token is dropped).
         """
         finished = []
-        self.num_prefilling = 0
         for seq, token_id in zip(seqs, token_ids):
             if seq.is_partial_prefill:
                 seq.num_computed_tokens += seq.num_step_tokens

@@ -26,6 +26,7 @@ from pydantic import (
 from splitserve.engine.sampling import MAX_LOGPROBS, MAX_N
 from splitserve.frontend.logprob_format import ChatLogprobs, CompletionLogprobs, PromptLogprobsJson
 from splitserve.frontend.prepare import check_stop_strings
+from splitserve.frontend.sampling_map import MAX_TEMPERATURE
 
 def _integral_float_to_int(v: Any) -> Any:
     return int(v) if isinstance(v, float) and v.is_integer() else v
@@ -62,7 +63,7 @@ class GenerationRequest(BaseModel):
 
     model: str | None = None
     max_tokens: JsonInt | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    temperature: float | None = Field(default=None, ge=0.0, le=MAX_TEMPERATURE)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: JsonInt | None = Field(default=None, ge=-1)
     seed: JsonInt | None = Field(default=None, ge=0)

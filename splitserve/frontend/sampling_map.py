@@ -97,7 +97,7 @@ def bad_words_token_ids(tokenizer: Any, words: Sequence[str]) -> tuple[tuple[int
     return BadWords(tokenizer)(words)
 
 
-MAX_TEMPERATURE = 2.0  # OpenAI's range, on both front doors (HTTP also checks it in its schema)
+MAX_TEMPERATURE = 2.0  # OpenAI's range, on both front doors (HTTP's schema, frontend/protocol.py, checks it first)
 
 
 def build_params(sampling: Any, max_tokens: int, bad_words: tuple[tuple[int, ...], ...]) -> SamplingParams:

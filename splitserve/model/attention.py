@@ -183,15 +183,20 @@ def plan_attention(attn: AttentionMetadata, num_tokens: int, kv_cache: torch.Ten
 
 def _in_place_decode(decodes: list[tuple[int, int, list[int]]], bs: int, num_tokens: int) -> _InPlaceDecode:
     """The CPU kernel's inputs for ``decodes`` (token index, seq_len, block table), in batch order."""
-    m = max(-(-slen // bs) for _, slen, _ in decodes)
-    tables = []
-    for _, slen, table in decodes:
-        used = table[: -(-slen // bs)]
-        tables.append(used + [used[-1]] * (m - len(used)))
+    tables = _padded_tables(decodes, bs, max(-(-slen // bs) for _, slen, _ in decodes))
     tokens = [d[0] for d in decodes]
     in_order = len(tokens) == num_tokens  # decodes are found in batch order: all of them means tokens 0..T-1
     return _InPlaceDecode(None if in_order else torch.tensor(tokens, dtype=torch.int64),
                           torch.tensor(tables, dtype=torch.int64), torch.tensor([d[1] for d in decodes], dtype=torch.int64))
+
+
+def _padded_tables(decodes: list[tuple[int, int, list[int]]], bs: int, m: int) -> list[list[int]]:
+    """Each decode's context blocks, padded to ``m`` with its last block (padding is masked out or never read)."""
+    tables = []
+    for _, slen, table in decodes:
+        used = table[: -(-slen // bs)]
+        tables.append(used + [used[-1]] * (m - len(used)))
+    return tables
 
 
 def _to_device(host: list[torch.Tensor], dev: torch.device) -> list[torch.Tensor]:
@@ -208,10 +213,7 @@ def _decode_group(decodes: list[tuple[int, int, list[int]]], bs: int, num_tokens
     tokens = [d[0] for d in decodes]
     length = max(d[1] for d in decodes)
     m = -(-length // bs)
-    blocks: list[int] = []
-    for _, slen, table in decodes:
-        used = table[: -(-slen // bs)]
-        blocks += used + [used[-1]] * (m - len(used))  # padding blocks are masked out
+    blocks = [b for table in _padded_tables(decodes, bs, m) for b in table]
     refs: list[int | None] = []
     for values, needed in ((tokens, sorted(tokens) != tokens or len(tokens) != num_tokens),
                            (blocks, True), ([d[1] for d in decodes], any(d[1] != length for d in decodes))):
@@ -238,18 +240,13 @@ def paged_attention(qkv: torch.Tensor, kv_cache: torch.Tensor, layer: int, plan:
     cache[plan.write_blocks, :, plan.write_offsets] = qkv[:, hq:].view(t, 2, hkv, d)
     q = qkv[:, :hq]
     ip = plan.in_place_decode
-    if ip is not None and ip.tokens is None and not plan.prefills:  # decode-only batch on the CPU kernel
+    if ip is not None and ip.tokens is None:  # decode-only batch on the CPU kernel (tokens None: every token decodes)
         return paged_decode.paged_decode_attention(q, kv_cache, layer, ip.block_tables, ip.seq_lens).view(t, hq * d)
     if len(plan.decode_groups) == 1 and plan.decode_groups[0].tokens is None and not plan.prefills:
         return _decode(q, cache, plan.decode_groups[0]).view(t, hq * d)  # decode-only batch: no scatter
     out = torch.empty(t, hq, d, dtype=qkv.dtype, device=qkv.device)
     if ip is not None:
-        qd = q if ip.tokens is None else q[ip.tokens]
-        o = paged_decode.paged_decode_attention(qd, kv_cache, layer, ip.block_tables, ip.seq_lens)
-        if ip.tokens is None:
-            out[:] = o
-        else:
-            out[ip.tokens] = o
+        out[ip.tokens] = paged_decode.paged_decode_attention(q[ip.tokens], kv_cache, layer, ip.block_tables, ip.seq_lens)
     for g in plan.decode_groups:
         if g.tokens is None:
             out[:] = _decode(q, cache, g).squeeze(2)

@@ -110,7 +110,7 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=torch_dtype(cfg.dtype))
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.reference_attention = False
-        self.packed_for_cpu = False  # pack_for_cpu ran: projections run on splitserve's CPU GEMM kernel
+        self.register_buffer("lm_head_packed", None, persistent=False)  # pack_for_cpu: an untied lm_head's panels
 
     def fuse_projections(self) -> None:
         """Fuse q/k/v and gate/up projections in place (after the HF-named weights are loaded)."""
@@ -125,14 +125,18 @@ class CausalLM(nn.Module):
             for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
                 proj.pack_for_cpu()
         if not self.config.tie_word_embeddings:
-            self.register_buffer("lm_head_packed", cpu_gemm.pack(self.lm_head.weight), persistent=False)
-        self.packed_for_cpu = True
+            self.lm_head_packed = cpu_gemm.pack(self.lm_head.weight)
+
+    @property
+    def packed_for_cpu(self) -> bool:
+        """pack_for_cpu ran: the projections run on splitserve's CPU GEMM kernel."""
+        layers = self.model.layers
+        return bool(layers) and layers[0].self_attn.qkv_proj is not None and layers[0].self_attn.qkv_proj.packed is not None
 
     def logits(self, last: torch.Tensor) -> torch.Tensor:
         """float32 ``[R, vocab_size]`` logits of final-normed hidden states ``last`` ``[R, hidden]``."""
-        packed = getattr(self, "lm_head_packed", None)
-        if packed is not None:
-            return cpu_gemm.packed_gemm(last, packed, self.config.vocab_size)
+        if self.lm_head_packed is not None:
+            return cpu_gemm.packed_gemm(last, self.lm_head_packed, self.config.vocab_size)
         return F.linear(last, self.lm_head.weight).float()
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int, int, int]:
