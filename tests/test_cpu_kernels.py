@@ -54,23 +54,31 @@ def test_bad_operands_raise_not_crash():
         cpu_gemm.packed_gemm(torch.randn(2, 8), packed, 32, torch.randn(3, 32))
 
 
+def _prefill_then_decode(m) -> list[torch.Tensor]:
+    """Logits of an 8-token prefill and of two decode steps after it (one block of 16)."""
+    ids = torch.tensor([5, 9, 200, 31, 7, 64, 3, 11])
+    cache = m.model.allocate_kv_cache(1, 16)
+    out = [m.model(ids, torch.arange(8), cache, AttentionMetadata(torch.arange(8), [8], [8], [[0]], 16))]
+    for pos, tok in ((8, 42), (9, 17)):
+        meta = AttentionMetadata(torch.tensor([pos]), [1], [pos + 1], [[0]], 16)
+        out.append(m.model(torch.tensor([tok]), torch.tensor([pos]), cache, meta))
+    return out
+
+
 def test_float32_cpu_models_run_on_packed_weights_and_match_torch_mm(monkeypatch):
+    """Packed GEMM, the layer kernels (norms, SiLU * up, RoPE + K/V store) and the decode kernel against torch."""
     lm = load_model("synthetic:llama-tiny")
     attn = lm.model.model.layers[0].self_attn
     assert attn.qkv_proj.packed is not None and attn.qkv_proj.weight_t is None
+    assert lm.model.model.layers[0].cpu_layer_ops
+    on_kernels = _prefill_then_decode(lm)
     monkeypatch.setenv("PD_CPU_KERNELS", "0")
     plain = load_model("synthetic:llama-tiny")
     assert plain.model.model.layers[0].self_attn.qkv_proj.packed is None
+    assert not plain.model.model.layers[0].cpu_layer_ops
     torch.testing.assert_close(attn.qkv_proj.weight, plain.model.model.layers[0].self_attn.qkv_proj.weight)
-    from splitserve.model.attention import AttentionMetadata
-
-    ids = torch.tensor([5, 9, 200, 31, 7, 64, 3, 11])
-    logits = []
-    for m in (lm, plain):
-        cache = m.model.allocate_kv_cache(1, 16)
-        meta = AttentionMetadata(torch.arange(len(ids)), [len(ids)], [len(ids)], [[0]], 16)
-        logits.append(m.model(ids, torch.arange(len(ids)), cache, meta))
-    torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
+    for got, want in zip(on_kernels, _prefill_then_decode(plain)):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 def test_bfloat16_models_keep_torch_weights():

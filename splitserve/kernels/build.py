@@ -1,5 +1,6 @@
-"""Build and load splitserve's CPU kernels (``cpu_kernels.cpp``: :mod:`~splitserve.kernels.cpu_gemm`'s packed GEMM
-and :mod:`~splitserve.kernels.paged_decode`'s decode attention), one C++ extension.
+"""Build and load splitserve's CPU kernels, one C++ extension: ``cpu_kernels.cpp`` (:mod:`~splitserve.kernels.cpu_gemm`'s
+packed GEMM, :mod:`~splitserve.kernels.paged_decode`'s decode attention) and ``cpu_layer_ops.cpp``
+(:mod:`~splitserve.kernels.layer_ops`: RMSNorm, SiLU * up, RoPE + KV store).
 
 The extension is compiled by :func:`torch.utils.cpp_extension.load` (g++ and ninja; ~1 minute, once per source
 and torch version) into ``$PD_KERNEL_CACHE`` (default ``~/.cache/splitserve/kernels``); ``make install`` builds
@@ -26,7 +27,9 @@ from splitserve.env import env_bool
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+HERE = Path(__file__).parent
+SOURCES = [HERE / "cpu_kernels.cpp", HERE / "cpu_layer_ops.cpp"]  # with their shared header cpu_simd.h
+HEADERS = [HERE / "cpu_simd.h"]
 # -fopenmp: the kernels split their work with OpenMP pragmas (ignored without it: one thread); torch's CPU build
 # links the same libgomp, so both share one OpenMP runtime
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
@@ -70,7 +73,7 @@ def loaded() -> ModuleType | None:
 
 @functools.lru_cache(maxsize=1)
 def _load() -> ModuleType | None:
-    build_dir = _build_dir(SOURCE.read_bytes() + repr(CFLAGS).encode())
+    build_dir = _build_dir(b"".join(p.read_bytes() for p in SOURCES + HEADERS) + repr(CFLAGS).encode())
     name = f"splitserve_cpu_kernels_{build_dir.name}"
     built = build_dir / f"{name}.so"
     try:
@@ -82,7 +85,7 @@ def _load() -> ModuleType | None:
 
         started = time.monotonic()
         logger.info("building splitserve's CPU kernels into %s (once, about a minute)", build_dir)
-        module = load_extension(name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+        module = load_extension(name=name, sources=[str(p) for p in SOURCES], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
                                 build_directory=str(build_dir), verbose=False)
         logger.info("built splitserve's CPU kernels in %.0f s", time.monotonic() - started)
         return module

@@ -12,13 +12,16 @@
 // from memory once, at close to the machine's streaming rate, instead of the strided or packed-per-call reads of
 // a general sgemm (benchmarks/cpu_gemm.py, benchmarks/results/engine_cpu_kernels.txt). Register tile:
 // up to 6 rows x 16 columns (12 accumulators + 2 weight vectors + 1 broadcast = 15 of the 16 ymm registers,
-// the classic AVX2 6x16 micro-kernel shape of BLIS/OpenBLAS sgemm). Rows of a panel are computed 6 at a time
-// while the panel stays in L1/L2. Panels are split across `threads` OpenMP threads (0: torch's intra-op count).
+// the classic AVX2 6x16 micro-kernel shape of BLIS/OpenBLAS sgemm). Rows of x are computed 6 at a time; with more
+// than 6, every tile works on a 128-k piece of the panel while it is in L1 (see panel()). Panels are split across
+// `threads` OpenMP threads (0: torch's intra-op count).
 // Each output element sums k = 0..K-1 in order, so a row's result does not depend on M or the thread count.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <omp.h>
+
+#include "cpu_simd.h"
 
 #include <algorithm>
 #include <cmath>
@@ -31,7 +34,6 @@ constexpr int64_t kPanel = 16;
 // Accumulators are named locals, not an array: with an array GCC 12 kept them on the stack (a store per FMA).
 #define SSK_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
 
-template <int MR>
 inline void store_row(__m256 lo, __m256 hi, float* o, const float* r, int64_t width) {
   if (width == kPanel) {
     if (r) {
@@ -48,15 +50,18 @@ inline void store_row(__m256 lo, __m256 hi, float* o, const float* r, int64_t wi
   }
 }
 
+// Rows [0, MR) of x times panel rows [k0, k1) of one panel, accumulating into acc ([MR][16] floats): from zero when
+// k0 == 0, else from acc. A float stored and loaded back is unchanged, so splitting k into ranges keeps each output's
+// sum in the order k = 0..K-1: the result does not depend on the split.
 template <int MR>
-inline void panel_rows(const float* x, int64_t K, const float* panel, float* out, const float* res, int64_t N,
-                       int64_t n0, int64_t width) {
+inline void panel_rows(const float* x, int64_t K, int64_t k0, int64_t k1, const float* panel, float* acc) {
 #define SSK_DECL(m) __m256 c##m##0 = _mm256_setzero_ps(), c##m##1 = _mm256_setzero_ps(); \
-  const float* x##m = x + (m < MR ? m : 0) * K;
+  const float* x##m = x + (m < MR ? m : 0) * K; \
+  if (m < MR && k0 > 0) { c##m##0 = _mm256_load_ps(acc + m * kPanel); c##m##1 = _mm256_load_ps(acc + m * kPanel + 8); }
   SSK_ROWS(SSK_DECL)
 #undef SSK_DECL
-  const float* w = panel;
-  for (int64_t k = 0; k < K; ++k, w += kPanel) {
+  const float* w = panel + k0 * kPanel;
+  for (int64_t k = k0; k < k1; ++k, w += kPanel) {
     const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);
 #define SSK_FMA(m) if constexpr (m < MR) { const __m256 b = _mm256_broadcast_ss(x##m + k); \
     c##m##0 = _mm256_fmadd_ps(b, w0, c##m##0); c##m##1 = _mm256_fmadd_ps(b, w1, c##m##1); }
@@ -64,27 +69,47 @@ inline void panel_rows(const float* x, int64_t K, const float* panel, float* out
 #undef SSK_FMA
   }
 #define SSK_STORE(m) if constexpr (m < MR) { \
-    store_row<MR>(c##m##0, c##m##1, out + m * N + n0, res ? res + m * N + n0 : nullptr, width); }
+    _mm256_store_ps(acc + m * kPanel, c##m##0); _mm256_store_ps(acc + m * kPanel + 8, c##m##1); }
   SSK_ROWS(SSK_STORE)
 #undef SSK_STORE
 }
+
+inline void rows_of_panel(int64_t rows, const float* x, int64_t K, int64_t k0, int64_t k1, const float* pw, float* acc) {
+  switch (rows) {
+    case 6: panel_rows<6>(x, K, k0, k1, pw, acc); break;
+    case 5: panel_rows<5>(x, K, k0, k1, pw, acc); break;
+    case 4: panel_rows<4>(x, K, k0, k1, pw, acc); break;
+    case 3: panel_rows<3>(x, K, k0, k1, pw, acc); break;
+    case 2: panel_rows<2>(x, K, k0, k1, pw, acc); break;
+    case 1: panel_rows<1>(x, K, k0, k1, pw, acc); break;
+    default: break;
+  }
+}
+
+// Up to kRowsPerPass rows share one read of the panel from memory. With more than 6 rows (several register tiles)
+// the panel is walked in kChunk-row pieces (8 KB, L1-resident) and every tile takes its turn on a piece before the
+// next piece is read: the weight stream from memory overlaps the tiles' FMAs instead of being re-read from L2 once per
+// tile (measured before this: each extra tile cost a full pass, M = 16 took 2x M = 6).
+constexpr int64_t kRowsPerPass = 60;
+constexpr int64_t kChunk = 128;
 
 void panel(const float* x, int64_t M, int64_t K, const float* packed, int64_t p, float* out, const float* res,
            int64_t N) {
   const float* pw = packed + p * K * kPanel;
   const int64_t n0 = p * kPanel, width = std::min(kPanel, N - n0);
-  int64_t m = 0;
-  for (; m + 6 <= M; m += 6) panel_rows<6>(x + m * K, K, pw, out + m * N, res ? res + m * N : nullptr, N, n0, width);
-  const float* xr = x + m * K;
-  float* o = out + m * N;
-  const float* r = res ? res + m * N : nullptr;
-  switch (M - m) {
-    case 5: panel_rows<5>(xr, K, pw, o, r, N, n0, width); break;
-    case 4: panel_rows<4>(xr, K, pw, o, r, N, n0, width); break;
-    case 3: panel_rows<3>(xr, K, pw, o, r, N, n0, width); break;
-    case 2: panel_rows<2>(xr, K, pw, o, r, N, n0, width); break;
-    case 1: panel_rows<1>(xr, K, pw, o, r, N, n0, width); break;
-    default: break;
+  alignas(32) float acc[kRowsPerPass * kPanel];
+  for (int64_t m0 = 0; m0 < M; m0 += kRowsPerPass) {
+    const int64_t rows = std::min(kRowsPerPass, M - m0), chunk = rows <= 6 ? K : kChunk;
+    for (int64_t k0 = 0; k0 < K; k0 += chunk) {
+      const int64_t k1 = std::min(K, k0 + chunk);
+      for (int64_t m = 0; m < rows; m += 6)
+        rows_of_panel(std::min<int64_t>(6, rows - m), x + (m0 + m) * K, K, k0, k1, pw, acc + m * kPanel);
+    }
+    for (int64_t m = 0; m < rows; ++m) {
+      const int64_t row = m0 + m;
+      store_row(_mm256_load_ps(acc + m * kPanel), _mm256_load_ps(acc + m * kPanel + 8), out + row * N + n0,
+                res ? res + row * N + n0 : nullptr, width);
+    }
   }
 }
 
@@ -102,6 +127,7 @@ torch::Tensor packed_gemm(const torch::Tensor& x, const torch::Tensor& packed, i
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous() && x.device().is_cpu(),
               "packed_gemm: x must be a contiguous 2-D float32 CPU tensor");
   const int64_t M = x.size(0), K = x.size(1), panels = (N + kPanel - 1) / kPanel;
+  TORCH_CHECK(K >= 1, "packed_gemm: x needs at least one column");
   TORCH_CHECK(packed.dim() == 3 && packed.size(0) == panels && packed.size(1) == K && packed.size(2) == kPanel &&
               packed.scalar_type() == torch::kFloat && packed.is_contiguous(),
               "packed_gemm: packed must be [ceil(N/16), K, 16] float32 contiguous, got ", packed.sizes(), " for N=", N,
@@ -127,7 +153,7 @@ torch::Tensor packed_gemm(const torch::Tensor& x, const torch::Tensor& packed, i
 // from the paged KV cache: no gathered copy of the context, no padding to the longest sequence of the batch, and
 // grouped-query attention without repeating K/V (the G = Hq / Hkv query heads of a KV head share each K/V row).
 //
-//   q            [B, Hq, D]                               float32 contiguous (RoPE applied)
+//   q            [B, Hq, D]                               float32, rows [Hq, D] contiguous (RoPE applied)
 //   kv_cache     [num_blocks, L, 2, block_size, Hkv, D]   float32 contiguous (this layer's K and V already written)
 //   block_tables [B, M] int64 (rows padded past each context), seq_lens [B] int64 (context tokens, >= 1)
 //   returns      [B, Hq, D] = softmax(q k^T * scale) v over positions [0, seq_len) of each sequence
@@ -139,34 +165,8 @@ torch::Tensor packed_gemm(const torch::Tensor& x, const torch::Tensor& packed, i
 // depend on the rest of the batch.
 namespace {
 
-// exp(x) for 8 floats: x = n ln2 + r, |r| <= ln2 / 2 (Cody-Waite split of ln2), e^r by its degree-6 Taylor
-// polynomial (relative error < 2e-7 on that range), 2^n built in the exponent bits. Inputs are <= 0 here
-// (max-subtracted scores); below -87.3 the result flushes to 0.
-inline __m256 exp256(__m256 x) {
-  const __m256 lo = _mm256_set1_ps(-87.3f);
-  const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-  x = _mm256_max_ps(x, lo);
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.0f / 720);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
-}
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+using splitserve_simd::exp256;
+using splitserve_simd::hsum;
 
 inline float dot(const float* a, const float* b, int64_t d) {
   __m256 acc = _mm256_setzero_ps();
@@ -221,8 +221,9 @@ inline void softmax(float* s, int64_t n) {
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& kv_cache, int64_t layer,
                                      const torch::Tensor& block_tables, const torch::Tensor& seq_lens, double scale,
                                      int64_t threads) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat && q.is_contiguous() && q.device().is_cpu(),
-              "paged_decode_attention: q must be [B, Hq, D] float32 contiguous on the CPU");
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat && q.stride(2) == 1 && q.stride(1) == q.size(2) &&
+              q.device().is_cpu(), "paged_decode_attention: q must be [B, Hq, D] float32 on the CPU, each row's heads "
+              "contiguous (a row stride of its own, e.g. the q heads of a fused qkv output)");
   TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.size(2) == 2 && kv_cache.scalar_type() == torch::kFloat &&
               kv_cache.is_contiguous() && kv_cache.device().is_cpu(),
               "paged_decode_attention: kv_cache must be [num_blocks, L, 2, block_size, Hkv, D] float32 contiguous");
@@ -246,6 +247,7 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   }
   auto out = torch::zeros({B, Hq, D}, q.options());
   const float* qp = q.data_ptr<float>();
+  const int64_t q_row = q.stride(0);
   const float* cache = kv_cache.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t row = Hkv * D;               // one token of one of K / V
@@ -260,7 +262,7 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
     for (int64_t b = 0; b < B; ++b) {
       const int64_t n = lens[b];
       scores.resize(Hq * n);
-      const float* qb = qp + b * Hq * D;
+      const float* qb = qp + b * q_row;
       float* ob = op + b * Hq * D;
       // K pass: token t's K row of every head is one contiguous Hkv * D run; a block holds bs of them in a row
       for (int64_t j = 0, t = 0; t < n; ++j) {
@@ -279,7 +281,17 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   return out;
 }
 
+// cpu_layer_ops.cpp
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
+torch::Tensor silu_mul(const torch::Tensor& gate_up);
+void rope_write_kv(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& signed_sin,
+                   const torch::Tensor& kv_cache, int64_t layer, const torch::Tensor& block_ids,
+                   const torch::Tensor& offsets, int64_t num_kv_heads);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_gemm", &packed_gemm, "residual + x @ W^T over a 16-column panel-packed W (fp32, AVX2/FMA)");
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention read in place from the paged KV cache");
+  m.def("rms_norm", &rms_norm, "RMSNorm of every row (fp32)");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate/up output (fp32)");
+  m.def("rope_write_kv", &rope_write_kv, "RoPE of q and k in place, then K/V rows stored in the paged KV cache");
 }

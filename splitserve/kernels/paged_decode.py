@@ -25,7 +25,8 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, 
     """``softmax(q K^T / sqrt(D)) V`` of one query token per sequence over its context in ``kv_cache``.
 
     Args:
-        q: float32 ``[B, Hq, D]`` (made contiguous if it is not); query head j attends with KV head ``j // (Hq / Hkv)``.
+        q: float32 ``[B, Hq, D]``, each row's ``[Hq, D]`` contiguous (copied if not; rows may be strided, e.g. the
+            q heads of the fused qkv output); query head j attends with KV head ``j // (Hq / Hkv)``.
         kv_cache: float32 ``[num_blocks, num_layers, 2, block_size, Hkv, D]`` contiguous, this step's K/V written.
         layer: which layer's K/V.
         block_tables: int64 ``[B, M]``: each sequence's block ids (entries past its context are not read).
@@ -38,5 +39,6 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, 
     module = build.loaded()
     if module is None:
         raise RuntimeError("splitserve's CPU kernels are not available")
-    return module.paged_decode_attention(q if q.is_contiguous() else q.contiguous(), kv_cache, layer, block_tables,
+    rows_ok = q.stride(-1) == 1 and q.stride(-2) == q.shape[-1]  # a row stride of its own is read as it is
+    return module.paged_decode_attention(q if rows_ok else q.contiguous(), kv_cache, layer, block_tables,
                                          seq_lens, q.shape[-1] ** -0.5, 0)  # 0: torch's threads

@@ -86,6 +86,7 @@ class AttentionPlan:
     decode_groups: list[_DecodeGroup] = field(default_factory=list)
     prefills: list[_Prefill] = field(default_factory=list)
     in_place_decode: _InPlaceDecode | None = None  # the decodes, when the CPU kernel serves them (no groups then)
+    cpu_kv_write: bool = False  # the cache is the CPU kernels' (float32 CPU): RoPE + K/V store run as one kernel call
 
 
 def _check(attn: AttentionMetadata, num_tokens: int, num_blocks: int, bs: int) -> list[int]:
@@ -155,7 +156,8 @@ def plan_attention(attn: AttentionMetadata, num_tokens: int, kv_cache: torch.Ten
             prefills.append((start, qlen, slen, len(host)))
             host.append(torch.tensor(table[: -(-slen // bs)], dtype=torch.int64))
         start += qlen
-    in_place = _in_place_decode(decodes, bs, num_tokens) if decodes and paged_decode.usable(kv_cache) else None
+    cpu_kernels = paged_decode.usable(kv_cache)
+    in_place = _in_place_decode(decodes, bs, num_tokens) if decodes and cpu_kernels else None
     if in_place is not None:
         decodes = []
     decodes.sort(key=lambda d: d[1])
@@ -167,7 +169,7 @@ def plan_attention(attn: AttentionMetadata, num_tokens: int, kv_cache: torch.Ten
         decodes = decodes[n:]
     t = _to_device(host, dev)
     plan = AttentionPlan(write_blocks=t[0], write_offsets=t[1], last_token_index=t[2] if num_tokens != len(attn.query_lens) else None,
-                         in_place_decode=in_place)
+                         in_place_decode=in_place, cpu_kv_write=cpu_kernels)
     for begin, qlen, slen, blocks in prefills:
         mask = None
         if blocks is not None:
@@ -224,8 +226,8 @@ def _decode_group(decodes: list[tuple[int, int, list[int]]], bs: int, num_tokens
 
 
 def paged_attention(qkv: torch.Tensor, kv_cache: torch.Tensor, layer: int, plan: AttentionPlan,
-                    num_heads: int, num_kv_heads: int) -> torch.Tensor:
-    """Write new K/V for ``layer`` into the cache, then attend.
+                    num_heads: int, num_kv_heads: int, kv_written: bool = False) -> torch.Tensor:
+    """Write new K/V for ``layer`` into the cache (unless ``kv_written``: the caller stored them), then attend.
 
     Args:
         qkv: ``[T, num_heads + 2 * num_kv_heads, head_dim]``: queries, keys, values of the new tokens
@@ -237,7 +239,8 @@ def paged_attention(qkv: torch.Tensor, kv_cache: torch.Tensor, layer: int, plan:
     t, _, d = qkv.shape
     hq, hkv = num_heads, num_kv_heads
     cache = kv_cache.select(1, layer)  # [N, 2, bs, Hkv, D]
-    cache[plan.write_blocks, :, plan.write_offsets] = qkv[:, hq:].view(t, 2, hkv, d)
+    if not kv_written:
+        cache[plan.write_blocks, :, plan.write_offsets] = qkv[:, hq:].view(t, 2, hkv, d)
     q = qkv[:, :hq]
     ip = plan.in_place_decode
     if ip is not None and ip.tokens is None:  # decode-only batch on the CPU kernel (tokens None: every token decodes)

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from splitserve.kernels import cpu_gemm
+from splitserve.kernels import cpu_gemm, layer_ops
 
 
 class RMSNorm(nn.Module):
@@ -51,7 +51,10 @@ class SwiGLUMLP(nn.Module):
     def forward_add(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``residual + mlp(x)`` after ``fuse``: ``[T, hidden]`` each."""
         gu = self.gate_up_proj.forward(x)  # [T, 2 * intermediate]
-        act = F.silu(gu[:, : self.intermediate], inplace=True).mul_(gu[:, self.intermediate :])
+        if self.gate_up_proj.packed is not None:  # on splitserve's CPU kernels: one call, a contiguous [T, intermediate]
+            act = layer_ops.silu_mul(gu)
+        else:
+            act = F.silu(gu[:, : self.intermediate], inplace=True).mul_(gu[:, self.intermediate :])
         return self.down_proj.forward_add(residual, act)
 
 

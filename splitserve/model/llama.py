@@ -5,7 +5,9 @@ dict loads directly. ``build_model`` constructs the module on the meta device an
 loaded tensors, so nothing is randomly initialised; it then fuses q/k/v into ``qkv_proj`` and gate/up
 into ``gate_up_proj``. The forward is plain ``torch``/``F`` calls per layer (no submodule calls): RMSNorm,
 one QKV GEMM, RoPE in place, paged attention, o_proj + residual in one ``addmm``, one gate/up GEMM,
-SiLU * up in place, down_proj + residual in one ``addmm``.
+SiLU * up in place, down_proj + residual in one ``addmm``. float32 models on the CPU run the projections on
+splitserve's packed GEMM and the norms, SiLU * up and RoPE + K/V store on its layer kernels
+(:mod:`splitserve.kernels`), one call each.
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ from torch import nn
 import torch.nn.functional as F
 
 from splitserve.kernels import build as kernels_build
-from splitserve.kernels import cpu_gemm
-from splitserve.model.attention import AttentionMetadata, paged_attention, plan_attention
+from splitserve.kernels import cpu_gemm, layer_ops
+from splitserve.model.attention import AttentionMetadata, AttentionPlan, paged_attention, plan_attention
 from splitserve.model.attention_ref import reference_attention
 from splitserve.model.attention_static import StaticDecodePlan, static_decode_attention
 from splitserve.model.config import ModelConfig
@@ -61,6 +63,9 @@ class Attention(nn.Module):
             eps = self.q_norm.eps
             qkv[:, :hq] = F.rms_norm(qkv[:, :hq], (d,), self.q_norm.weight, eps)
             qkv[:, hq : hq + hkv] = F.rms_norm(qkv[:, hq : hq + hkv], (d,), self.k_norm.weight, eps)
+        if isinstance(plan, AttentionPlan) and plan.cpu_kv_write:  # RoPE and the K/V store in one kernel call
+            layer_ops.rope_write_kv(qkv, cos, sin, kv_cache, layer, plan.write_blocks, plan.write_offsets, hkv)
+            return self.o_proj.forward_add(h, paged_attention(qkv, kv_cache, layer, plan, hq, hkv, kv_written=True))
         apply_rope_(qkv[:, : hq + hkv], cos, sin)
         if plan is None:
             o = reference_attention(qkv, kv_cache, layer, attn, hq, hkv)
@@ -79,12 +84,17 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, torch_dtype(cfg.dtype))
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, torch_dtype(cfg.dtype))
         self.norm_shape = (cfg.hidden_size,)
+        self.cpu_layer_ops = False  # CausalLM.pack_for_cpu: norms on splitserve's CPU kernel
+
+    def norm(self, x: torch.Tensor, n: RMSNorm) -> torch.Tensor:
+        if self.cpu_layer_ops:
+            return layer_ops.rms_norm(x, n.weight, n.eps)
+        return F.rms_norm(x, self.norm_shape, n.weight, n.eps)
 
     def forward(self, h, cos, sin, kv_cache, layer, plan, attn=None):
         """h: ``[T, hidden]`` -> ``[T, hidden]`` (plain torch calls, no submodule __call__)."""
-        n1, n2 = self.input_layernorm, self.post_attention_layernorm
-        h = self.self_attn.forward_add(h, F.rms_norm(h, self.norm_shape, n1.weight, n1.eps), cos, sin, kv_cache, layer, plan, attn)
-        return self.mlp.forward_add(h, F.rms_norm(h, self.norm_shape, n2.weight, n2.eps))
+        h = self.self_attn.forward_add(h, self.norm(h, self.input_layernorm), cos, sin, kv_cache, layer, plan, attn)
+        return self.mlp.forward_add(h, self.norm(h, self.post_attention_layernorm))
 
 
 class DecoderStack(nn.Module):
@@ -120,8 +130,10 @@ class CausalLM(nn.Module):
 
     def pack_for_cpu(self) -> None:
         """Pack every projection (and an untied lm_head, as a copy beside its weight) for splitserve's CPU GEMM
-        kernel (:mod:`splitserve.kernels.cpu_gemm`); after ``fuse_projections``, float32 CPU weights only."""
+        kernel (:mod:`splitserve.kernels.cpu_gemm`) and run the norms and SiLU * up on its layer kernels
+        (:mod:`splitserve.kernels.layer_ops`); after ``fuse_projections``, float32 CPU weights only."""
         for layer in self.model.layers:
+            layer.cpu_layer_ops = True
             for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
                 proj.pack_for_cpu()
         if not self.config.tie_word_embeddings:
@@ -132,6 +144,13 @@ class CausalLM(nn.Module):
         """pack_for_cpu ran: the projections run on splitserve's CPU GEMM kernel."""
         layers = self.model.layers
         return bool(layers) and layers[0].self_attn.qkv_proj is not None and layers[0].self_attn.qkv_proj.packed is not None
+
+    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
+        """The last RMSNorm: ``[R, hidden]`` -> ``[R, hidden]``."""
+        n = self.model.norm
+        if self.packed_for_cpu:
+            return layer_ops.rms_norm(h, n.weight, n.eps)
+        return F.rms_norm(h, (self.config.hidden_size,), n.weight, n.eps)
 
     def logits(self, last: torch.Tensor) -> torch.Tensor:
         """float32 ``[R, vocab_size]`` logits of final-normed hidden states ``last`` ``[R, hidden]``."""
@@ -195,8 +214,7 @@ class CausalLM(nn.Module):
             h = h[logits_indices.to(dev)]
         elif plan.last_token_index is not None:
             h = h[plan.last_token_index]
-        last = F.rms_norm(h, (c.hidden_size,), self.model.norm.weight, self.model.norm.eps)
-        return self.logits(last)
+        return self.logits(self.final_norm(h))
 
 
     @torch.no_grad()
@@ -212,13 +230,11 @@ class CausalLM(nn.Module):
         Returns:
             float32 ``[B, vocab_size]`` logits.
         """
-        c = self.config
         h = F.embedding(input_ids, self.model.embed_tokens.weight)
         cos, sin = self.rotary.cos_sin(positions, max_position, h.dtype)
         for i, layer in enumerate(self.model.layers):
             h = layer.forward(h, cos, sin, kv_cache, i, plan)
-        last = F.rms_norm(h, (c.hidden_size,), self.model.norm.weight, self.model.norm.eps)
-        return self.logits(last)
+        return self.logits(self.final_norm(h))
 
 
 def build_model(cfg: ModelConfig, state_dict: dict[str, torch.Tensor], device: str = "cpu") -> CausalLM:
