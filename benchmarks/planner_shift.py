@@ -185,7 +185,7 @@ def main() -> None:
         print(f"planner goodput / best static: {_ratio(planned['goodput_rps'], best):.2f}x; "
               f"/ worst static: {_ratio(planned['goodput_rps'], worst):.2f}x")
         for d in planned["decisions"]:
-            print(f"  flip {d['time_s']:.1f} s after the router started: {d['worker']} {d['from_role']} -> {d['to_role']} ({d['reason']})")
+            print(f"  {d['action']} {d['time_s']:.1f} s after the router started: {d['worker']} {d['from_role']} -> {d['to_role']} ({d['reason']})")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"args": vars(a), "results": results}, f, indent=2)

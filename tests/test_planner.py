@@ -41,7 +41,7 @@ def run(core: PlannerCore, clock: Clock, signals, workers: list[PoolWorker], sec
     out = []
     for i in range(seconds):
         d = core.decide(signals(i) if callable(signals) else signals, workers)
-        if d.action == "flip":
+        if d.action in ("flip", "revert"):
             k = next(j for j, w in enumerate(workers) if w.address == d.address)
             workers[k] = dataclasses.replace(workers[k], role=d.to_role)
         out.append(d)
@@ -94,6 +94,35 @@ def test_no_flip_back_right_after_a_flip():
     after = dataclasses.replace(PREFILL_QUEUE, queued_prefill_tokens=5_000, running_decodes=30)
     ds = run(core, clock, after, workers, 120)
     assert all(d.want != DECODE for d in ds)
+
+
+def test_a_flip_that_makes_the_worst_load_worse_is_undone_and_not_retried_for_a_while():
+    """Workers sharing cores: one more decode worker splits the batch and the ITL gets worse, not better."""
+    clock = Clock()
+    core, workers = PlannerCore(CONFIG, clock), pool(3, 1)
+    worse = dataclasses.replace(ITL_BREACH, itl_s=0.3)  # after the flip: 6 x the SLO instead of 2.4 x
+    ds = run(core, clock, lambda i: ITL_BREACH if i < 6 else worse, workers, 26)
+    assert flips(ds) == [("p0", PREFILL, DECODE)]
+    revert = ds[-1]
+    assert revert.action == "revert" and (revert.address, revert.from_role, revert.to_role) == ("p0", DECODE, PREFILL)
+    assert "the worst load went 2.40 -> 6.00" in revert.reason and "no decode flip for 80 s" in revert.reason
+    assert [w.role for w in workers] == [PREFILL, PREFILL, PREFILL, DECODE]
+    # the breach goes on: a cool-down, then no decode flip until the back-off (4 cool-downs) is over, then one more try
+    later = run(core, clock, ITL_BREACH, workers, 80)
+    assert {d.action for d in later[:19]} == {"cooldown"} and {d.action for d in later[19:79]} == {"backoff"}
+    assert flips(later) == [("p0", PREFILL, DECODE)] and later[79].action == "flip"
+    # worse again: undone again, and the next back-off is twice as long
+    again = run(core, clock, worse, workers, 20)
+    assert again[-1].action == "revert" and "no decode flip for 160 s" in again[-1].reason
+
+
+def test_a_flip_that_helps_is_kept():
+    clock = Clock()
+    core, workers = PlannerCore(CONFIG, clock), pool(3, 1)
+    better = dataclasses.replace(ITL_BREACH, itl_s=0.04)  # 0.8 x the SLO, down from 2.4 x
+    ds = run(core, clock, lambda i: ITL_BREACH if i < 6 else better, workers, 120)
+    assert flips(ds) == [("p0", PREFILL, DECODE)] and "revert" not in {d.action for d in ds}
+    assert [w.role for w in workers] == [DECODE, PREFILL, PREFILL, DECODE]
 
 
 def test_never_empties_a_role_and_flips_only_workers_whose_role_can_change():

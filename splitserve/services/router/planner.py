@@ -18,6 +18,14 @@ one). Hysteresis, so that it never flaps:
 * only a worker whose role can change, that is up, takes exactly the source role and is not draining an earlier
   switch is flipped (the least loaded one); a role is never left without a worker.
 
+Every flip is checked once its cool-down is over: if the worst of the two loads then is more than
+``revert_tolerance`` times what it was at the flip, the flip made things worse and is undone (the same worker flips
+back; action "revert"), and another worker for that kind of work is not wanted for ``4 * cooldown_s``, doubled at
+each further failed flip of that kind and reset by a kept one (action "backoff" while it lasts). A worker of one
+kind does not always add capacity: when the workers share CPU cores (several on one machine), one more decode worker
+splits the batch that one worker ran in one step into two, each stepping separately on the same cores
+(benchmarks/results/planner_shift.md: the ITL rose after such a flip, and the unchecked planner kept it).
+
 ``desired`` is the replica count per role an autoscaler (HPA, KEDA) could act on: max(1, ceil(n * load)).
 """
 
@@ -43,6 +51,8 @@ class PlannerConfig:
     cooldown_s: seconds after a flip during which nothing is flipped.
     interval_s: seconds between ticks.
     margin: how far (a ratio > 1) below the target's load the source's projected load must stay.
+    revert_tolerance: a flip is undone when, one cool-down after it, the worst load exceeds this many times the worst
+        load at the flip (>= 1).
 
     Raises:
         ValueError: a value out of range (the message names the flag).
@@ -57,6 +67,7 @@ class PlannerConfig:
     interval_s: float = 1.0
     quantile: float = 0.9
     margin: float = 1.2
+    revert_tolerance: float = 1.1
 
     def __post_init__(self) -> None:
         for flag, value in (("--slo-ttft-ms", self.slo_ttft_ms), ("--slo-itl-ms", self.slo_itl_ms)):
@@ -68,8 +79,9 @@ class PlannerConfig:
                 raise ValueError(f"{flag} must be > 0, got {value}")
         if not (self.window_s >= 0 and self.cooldown_s >= 0):
             raise ValueError(f"--planner-window-s and --planner-cooldown-s must be >= 0, got {self.window_s}, {self.cooldown_s}")
-        if not 0 < self.quantile < 1 or not self.margin >= 1:
-            raise ValueError(f"planner quantile must be in (0, 1) and margin >= 1, got {self.quantile}, {self.margin}")
+        if not 0 < self.quantile < 1 or not self.margin >= 1 or not self.revert_tolerance >= 1:
+            raise ValueError(f"planner quantile must be in (0, 1), margin and revert tolerance >= 1, got {self.quantile}, "
+                             f"{self.margin}, {self.revert_tolerance}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +99,9 @@ class PoolWorker:
 @dataclass(frozen=True, slots=True)
 class Decision:
     """One tick's outcome. ``action``: "hold" (nothing wanted), "wait" (a want holding, window not over),
-    "cooldown", "no_candidate" (no worker can be flipped) or "flip" (``address`` from ``from_role`` to ``to_role``)."""
+    "cooldown", "backoff" (the want's kind of work had a flip undone lately), "no_candidate" (no worker can be flipped),
+    "flip" (``address`` from ``from_role`` to ``to_role``) or "revert" (a flip that made the worst load worse, undone:
+    ``address`` back from ``from_role`` to ``to_role``)."""
 
     time: float
     action: str
@@ -115,6 +129,9 @@ class PlannerCore:
         self._want: str | None = None
         self._since = 0.0  # when the current want began
         self._last_flip = -math.inf
+        self._unchecked: Decision | None = None  # the last flip, until its effect is checked (end of its cool-down)
+        self._backoff_until = {PREFILL: -math.inf, DECODE: -math.inf}  # per kind of work wanted
+        self._backoff_s = {PREFILL: 4 * config.cooldown_s, DECODE: 4 * config.cooldown_s}
 
     def loads(self, signals, workers: dict[str, int]) -> tuple[dict[str, float], dict[str, str]]:
         """(load per kind of work, what set it) for ``signals`` (a :class:`~.planner_signals.Signals`)."""
@@ -159,10 +176,16 @@ class PlannerCore:
         if want != self._want:
             self._want, self._since = want, now
         base = dict(time=now, want=want, reason=reason, loads=loads, workers=workers, desired=desired)
+        if self._unchecked is not None and now - self._last_flip >= c.cooldown_s:
+            revert = self._check_last_flip(loads, pool, base)
+            if revert is not None:
+                return revert
         if want is None:
             return Decision(action="hold", **base)
         if now - self._last_flip < c.cooldown_s:
             return Decision(action="cooldown", **base)
+        if now < self._backoff_until[want]:
+            return Decision(action="backoff", **base)
         if now - self._since < c.window_s:
             return Decision(action="wait", **base)
         source = OTHER[want]
@@ -171,7 +194,29 @@ class PlannerCore:
             return Decision(action="no_candidate", **base)
         pick = min(candidates, key=lambda w: (w.load, w.address))
         self._last_flip = self._since = now
-        return Decision(action="flip", address=pick.address, from_role=source, to_role=want, **base)
+        self._unchecked = Decision(action="flip", address=pick.address, from_role=source, to_role=want, **base)
+        return self._unchecked
+
+    def _check_last_flip(self, loads: dict[str, float], pool: list[PoolWorker], base: dict) -> Decision | None:
+        """The last flip's check (module docstring): a "revert" decision if it made the worst load worse and its worker
+        can flip back, else None (the flip is kept, or cannot be undone)."""
+        flip, now = self._unchecked, base["time"]
+        self._unchecked = None
+        before, after = max(flip.loads.values()), max(loads.values())
+        role = flip.to_role
+        if after <= before * self.config.revert_tolerance:
+            self._backoff_s[role] = 4 * self.config.cooldown_s
+            return None
+        self._backoff_until[role] = now + self._backoff_s[role]
+        self._backoff_s[role] *= 2
+        worker = next((w for w in pool if w.address == flip.address), None)
+        if worker is None or not (worker.elastic and worker.up and worker.role == role and not worker.draining):
+            return None
+        self._last_flip = self._since = now
+        reason = (f"undo the flip of {flip.address} to {role} {now - flip.time:.0f} s ago: the worst load went "
+                  f"{before:.2f} -> {after:.2f}; no {role} flip for {self._backoff_until[role] - now:.0f} s")
+        return Decision(action="revert", **{**base, "reason": reason}, address=flip.address, from_role=role,
+                        to_role=flip.from_role)
 
 
 

@@ -78,7 +78,7 @@ class Planner:
             m.PLANNER_WORKERS.labels(role).set(d.workers[role])
             m.PLANNER_DESIRED_WORKERS.labels(role).set(d.desired[role])
         action = d.action
-        if action == "flip" and not await self._flip(d):
+        if action in ("flip", "revert") and not await self._flip(d):
             action = "flip_failed"
         m.PLANNER_DECISIONS.labels(action).inc()
         return d
@@ -126,7 +126,8 @@ class Planner:
         return {
             "config": {"slo_ttft_ms": c.slo_ttft_ms, "slo_itl_ms": c.slo_itl_ms, "quantile": c.quantile,
                        "queued_tokens_per_worker": c.queued_tokens_per_worker, "running_per_worker": c.running_per_worker,
-                       "window_s": c.window_s, "cooldown_s": c.cooldown_s, "interval_s": c.interval_s, "margin": c.margin},
+                       "window_s": c.window_s, "cooldown_s": c.cooldown_s, "interval_s": c.interval_s, "margin": c.margin,
+                       "revert_tolerance": c.revert_tolerance},
             "last": self.last.describe(self.started) if self.last else None,
             "flips": self.flips,
             "recent": [d.describe(self.started) for d in self.log],
