@@ -131,7 +131,11 @@ class PlannerCore:
         self._last_flip = -math.inf
         self._unchecked: Decision | None = None  # the last flip, until its effect is checked (end of its cool-down)
         self._backoff_until = {PREFILL: -math.inf, DECODE: -math.inf}  # per kind of work wanted
-        self._backoff_s = {PREFILL: 4 * config.cooldown_s, DECODE: 4 * config.cooldown_s}
+        self._backoff_s = {PREFILL: self._first_backoff_s, DECODE: self._first_backoff_s}
+
+    @property
+    def _first_backoff_s(self) -> float:
+        return 4 * self.config.cooldown_s
 
     def loads(self, signals, workers: dict[str, int]) -> tuple[dict[str, float], dict[str, str]]:
         """(load per kind of work, what set it) for ``signals`` (a :class:`~.planner_signals.Signals`)."""
@@ -189,7 +193,7 @@ class PlannerCore:
         if now - self._since < c.window_s:
             return Decision(action="wait", **base)
         source = OTHER[want]
-        candidates = [w for w in pool if w.elastic and w.up and w.role == source and not w.draining]
+        candidates = [w for w in pool if _can_flip(w, source)]
         if not candidates or workers[source] < 2:
             return Decision(action="no_candidate", **base)
         pick = min(candidates, key=lambda w: (w.load, w.address))
@@ -205,12 +209,12 @@ class PlannerCore:
         before, after = max(flip.loads.values()), max(loads.values())
         role = flip.to_role
         if after <= before * self.config.revert_tolerance:
-            self._backoff_s[role] = 4 * self.config.cooldown_s
+            self._backoff_s[role] = self._first_backoff_s
             return None
         self._backoff_until[role] = now + self._backoff_s[role]
         self._backoff_s[role] *= 2
         worker = next((w for w in pool if w.address == flip.address), None)
-        if worker is None or not (worker.elastic and worker.up and worker.role == role and not worker.draining):
+        if worker is None or not _can_flip(worker, role):
             return None
         self._last_flip = self._since = now
         reason = (f"undo the flip of {flip.address} to {role} {now - flip.time:.0f} s ago: the worst load went "
@@ -218,6 +222,11 @@ class PlannerCore:
         return Decision(action="revert", **{**base, "reason": reason}, address=flip.address, from_role=role,
                         to_role=flip.from_role)
 
+
+
+def _can_flip(w: PoolWorker, role: str) -> bool:
+    """``w`` can leave ``role`` now: its role can change, it is up, has exactly that role and is not draining."""
+    return w.elastic and w.up and w.role == role and not w.draining
 
 
 def add_planner_args(ap) -> None:
