@@ -71,6 +71,17 @@ def loaded() -> ModuleType | None:
     return _load()
 
 
+def required() -> ModuleType:
+    """:func:`loaded`, for a caller about to run a kernel.
+
+    Raises:
+        RuntimeError: the kernels are not available (check :func:`load` first)."""
+    module = _load()
+    if module is None:
+        raise RuntimeError("splitserve's CPU kernels are not available")
+    return module
+
+
 @functools.lru_cache(maxsize=1)
 def _load() -> ModuleType | None:
     build_dir = _build_dir(b"".join(p.read_bytes() for p in SOURCES + HEADERS) + repr(CFLAGS).encode())

@@ -15,13 +15,6 @@ import torch
 from splitserve.kernels import build
 
 
-def _module():
-    module = build.loaded()
-    if module is None:
-        raise RuntimeError("splitserve's CPU kernels are not available")
-    return module
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``(x * rsqrt(mean(x**2, -1) + eps)) * weight`` (Hugging Face Llama's RMSNorm; Zhang & Sennrich 2019).
 
@@ -33,7 +26,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     Raises:
         RuntimeError: wrong shapes or dtypes, or the kernels are not loaded.
     """
-    return _module().rms_norm(x if x.is_contiguous() else x.contiguous(), weight, eps)
+    return build.required().rms_norm(x if x.is_contiguous() else x.contiguous(), weight, eps)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -46,7 +39,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     Raises:
         RuntimeError: an odd column count, wrong dtype, or the kernels are not loaded.
     """
-    return _module().silu_mul(gate_up if gate_up.is_contiguous() else gate_up.contiguous())
+    return build.required().silu_mul(gate_up if gate_up.is_contiguous() else gate_up.contiguous())
 
 
 def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, kv_cache: torch.Tensor, layer: int,
@@ -64,5 +57,5 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor
         RuntimeError: shapes, dtypes or layouts that do not match, a slot outside the cache, or no kernels.
     """
     t, d = qkv.shape[0], qkv.shape[-1]
-    _module().rope_write_kv(qkv, cos.reshape(t, d), signed_sin.reshape(t, d), kv_cache, layer, block_ids, offsets,
+    build.required().rope_write_kv(qkv, cos.reshape(t, d), signed_sin.reshape(t, d), kv_cache, layer, block_ids, offsets,
                             num_kv_heads)

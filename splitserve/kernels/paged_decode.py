@@ -36,9 +36,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, 
     Raises:
         RuntimeError: bad shapes, dtypes, a block id out of range, a length outside its table, or no kernels.
     """
-    module = build.loaded()
-    if module is None:
-        raise RuntimeError("splitserve's CPU kernels are not available")
+    module = build.required()
     rows_ok = q.stride(-1) == 1 and q.stride(-2) == q.shape[-1]  # a row stride of its own is read as it is
     return module.paged_decode_attention(q if rows_ok else q.contiguous(), kv_cache, layer, block_tables,
                                          seq_lens, q.shape[-1] ** -0.5, 0)  # 0: torch's threads
