@@ -13,7 +13,7 @@ from pd.v1 import common_pb2, prefill_pb2_grpc
 from splitserve.launcher import free_port
 from splitserve.rpc.server import bind, create_server
 from splitserve.services.router.config import parse
-from splitserve.services.router.disaggregation import DisaggregationPolicy, LinearFit
+from splitserve.services.router.disaggregation import DisaggregationPolicy, LinearFit, PrefillQueue
 from splitserve.services.router.policies import LeastLoaded, PrefixAware, RoundRobin, make_policy
 from splitserve.services.router.registry import DECODE, PREFILL, WorkerRegistry, WorkerState
 
@@ -84,19 +84,89 @@ def test_fixed_threshold_and_always():
 
 
 def test_auto_threshold_from_measured_costs():
-    auto = DisaggregationPolicy("auto", beta=0.5)
+    auto = DisaggregationPolicy("auto", beta=0.5, max_local_stall_s=None)
     for n in (100, 400, 1600):  # prefill workers: 1 ms/token + 10 ms; decode workers the same speed
         auto.observe_remote_prefill(n, 0.010 + 1e-3 * n)
         auto.observe_local_prefill(n, 0.010 + 1e-3 * n)
         auto.observe_transfer(n, 0.005 + 1e-5 * n)  # handoff: 5 ms + 10 us/token
-    idle = auto.decide(1000, queued_prefill_tokens=0, decode_running=0)
+    idle = auto.decide(1000, prefill_wait_s=0, decode_running=0)
     assert idle.local  # an idle decode worker is never slower than prefill + transfer
-    busy = auto.decide(1000, queued_prefill_tokens=0, decode_running=8)
+    busy = auto.decide(1000, prefill_wait_s=0, decode_running=8)
     # local = 0.01 + 1e-3 n (1 + 4); remote = 0.01 + 1e-3 n + 0.005 + 1e-5 n  ->  n* = 0.005 / (4e-3 - 1e-5)
     assert busy.threshold == pytest.approx(0.005 / (4e-3 - 1e-5), rel=0.05)
     assert not busy.local
-    queued = auto.decide(1000, queued_prefill_tokens=20000, decode_running=8)  # prefill queue: local wins again
+    queued = auto.decide(1000, prefill_wait_s=20.0, decode_running=8)  # prefill queue: local wins again
     assert queued.threshold > busy.threshold and queued.local
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_prefill_queue_waits_for_the_calls_in_flight_and_resets_when_they_end():
+    clock = _Clock()
+    q = PrefillQueue(clock)
+    assert q.wait_s("p0") == 0.0
+    a = q.start("p0", 1.0)
+    b = q.start("p0", 0.5)  # queued behind a: starts at 101, done at 101.5
+    assert q.wait_s("p0") == pytest.approx(1.5) and q.wait_s("p1") == 0.0
+    clock.t += 0.4
+    assert q.wait_s("p0") == pytest.approx(1.1)  # the queue drains with time
+    clock.t += 0.8
+    assert q.end(a) == (pytest.approx(1.2), False)  # b started while a ran: a's time is no clean sample
+    assert q.wait_s("p0") == pytest.approx(0.3)  # b is still in flight
+    clock.t += 0.5
+    assert q.end(b) == (pytest.approx(1.7), False)  # sent at 100: it waited behind a
+    assert q.wait_s("p0") == 0.0
+    c = q.start("p0", 5.0)
+    clock.t += 0.25
+    assert q.end(c) == (pytest.approx(0.25), True)  # alone from start to end: a service time
+    assert q.wait_s("p0") == 0.0  # answered early: nothing of ours is queued there any more
+
+
+def test_auto_learns_the_prefill_cost_only_from_calls_that_ran_alone():
+    clock = _Clock()
+    auto = DisaggregationPolicy("auto", clock=clock)
+    for n in (100, 400, 1600, 800):  # alone: 10 ms + 0.5 ms/token
+        call = auto.remote_started("p0", n)
+        clock.t += 0.010 + 5e-4 * n
+        auto.remote_finished(call, n)
+    a_p, o_p = auto.remote_prefill.params()
+    assert a_p == pytest.approx(5e-4, rel=1e-3) and o_p == pytest.approx(0.010, rel=1e-2)
+    first, second = auto.remote_started("p0", 1000), auto.remote_started("p0", 100)  # a document, then a chat behind it
+    assert auto.prefill_queue.wait_s("p0") == pytest.approx(0.010 + 0.5 + 0.010 + 0.05, rel=1e-3)
+    clock.t += 0.51
+    auto.remote_finished(first, 1000)
+    clock.t += 0.06
+    auto.remote_finished(second, 100)  # 0.57 s for 100 tokens: a queue, not a cost; the fit must not take it
+    assert auto.remote_prefill.params() == (pytest.approx(a_p), pytest.approx(o_p))
+    failed = auto.remote_started("p0", 100)
+    clock.t += 3.0
+    auto.remote_finished(failed, None)  # a failed call is no sample either
+    assert auto.remote_prefill.params() == (pytest.approx(a_p), pytest.approx(o_p))
+
+
+def test_auto_sends_a_chat_to_an_idle_prefill_worker_and_keeps_it_local_behind_a_document():
+    clock = _Clock()
+    auto = DisaggregationPolicy("auto", clock=clock)
+    for n in (50, 200, 1000):
+        call = auto.remote_started("p0", n)
+        clock.t += 0.010 + 4e-4 * n  # prefill worker: 10 ms + 0.4 ms/token
+        auto.remote_finished(call, n)
+        auto.observe_local_prefill(n, 0.050 + 8e-4 * n)  # decode worker: a running step to wait for, a shared core
+        auto.observe_transfer(n, 0.001 + 1e-6 * n)
+    chat = 100
+    assert not auto.decide(chat, auto.prefill_queue.wait_s("p0"), decode_running=10).local  # idle: remote
+    doc = auto.remote_started("p0", 1000)  # a document now holds the prefill worker for ~0.41 s
+    assert auto.decide(chat, auto.prefill_queue.wait_s("p0"), decode_running=10).local
+    assert not auto.decide(1000, auto.prefill_queue.wait_s("p0"), decode_running=10).local  # documents stay remote
+    clock.t += 0.41
+    auto.remote_finished(doc, 1000)
+    assert not auto.decide(chat, auto.prefill_queue.wait_s("p0"), decode_running=10).local
 
 
 class _Prefill(prefill_pb2_grpc.PrefillServiceServicer):
@@ -141,3 +211,16 @@ async def test_registry_marks_a_worker_down_after_missed_heartbeats_and_up_on_re
     finally:
         await reg.close()
         await server.stop(0)
+
+
+def test_auto_never_prefills_locally_what_would_stall_the_decodes_past_the_cap():
+    auto = DisaggregationPolicy("auto", max_local_stall_s=0.2)
+    for n in (100, 400, 1600):
+        auto.observe_remote_prefill(n, 0.010 + 1e-3 * n)
+        auto.observe_local_prefill(n, 0.010 + 1e-3 * n)  # 1 ms/token: the cap is 200 tokens
+    assert auto.decide(150, prefill_wait_s=30.0, decode_running=8).local  # a long prefill queue: short prompts stay
+    d = auto.decide(1000, prefill_wait_s=30.0, decode_running=8)
+    assert not d.local and d.threshold == pytest.approx(200)  # a document would stall 8 streams for a second
+    uncapped = DisaggregationPolicy("auto", max_local_stall_s=None)
+    uncapped.local_prefill, uncapped.remote_prefill = auto.local_prefill, auto.remote_prefill
+    assert uncapped.decide(1000, prefill_wait_s=30.0, decode_running=8).local

@@ -60,12 +60,15 @@ async def test_prefill_then_decode_equals_local_generation(workers, lm):
     resp = await prefill.Prefill(prefill_pb2.PrefillRequest(request_id="r1", prompt_token_ids=prompt, sampling=sampling()))
     assert resp.kv_handle.num_tokens == len(prompt) and resp.kv_handle.transport == "inproc"
     tokens = [resp.first_token_id]
-    async for msg in decode.Decode(decode_pb2.DecodeRequest(request_id="r1", prompt_token_ids=prompt, sampling=sampling(),
-                                                            kv_handle=resp.kv_handle, first_token_id=resp.first_token_id)):
-        tokens += msg.token_ids
-    local = []
-    async for msg in decode.Decode(decode_pb2.DecodeRequest(request_id="r2", prompt_token_ids=prompt, sampling=sampling())):
-        local += msg.token_ids
+    msgs = [m async for m in decode.Decode(decode_pb2.DecodeRequest(request_id="r1", prompt_token_ids=prompt, sampling=sampling(),
+                                                                    kv_handle=resp.kv_handle, first_token_id=resp.first_token_id))]
+    tokens += [t for m in msgs for t in m.token_ids]
+    # the first message says how long the pull took (the router's cost model learns the handoff from it); only it
+    assert msgs[0].HasField("kv_transfer_us") and 0 < msgs[0].kv_transfer_us < 60_000_000
+    assert not any(m.HasField("kv_transfer_us") for m in msgs[1:])
+    local_msgs = [m async for m in decode.Decode(decode_pb2.DecodeRequest(request_id="r2", prompt_token_ids=prompt, sampling=sampling()))]
+    local = [t for m in local_msgs for t in m.token_ids]
+    assert not any(m.HasField("kv_transfer_us") for m in local_msgs)  # a local prefill pulled nothing
     assert tokens == local and len(tokens) == 8
     await wait_idle(engine_stats(prefill=p_engine, decode=d_engine), timeout_s=2.0)
 
@@ -82,6 +85,7 @@ async def test_unpulled_kv_is_freed_by_lease_and_then_not_found(workers, lm):
     # default policy (fallback): the decode worker recomputes the prompt's KV and says so on the first message
     msgs = [m async for m in decode.Decode(request)]
     assert msgs[0].kv_recomputed and not any(m.kv_recomputed for m in msgs[1:])
+    assert not msgs[0].HasField("kv_transfer_us")  # no pull happened: nothing for the handoff cost model
     local = [t async for m in decode.Decode(decode_pb2.DecodeRequest(request_id="r3-local", prompt_token_ids=prompt,
                                                                      sampling=sampling())) for t in m.token_ids]
     assert [resp.first_token_id] + [t for m in msgs for t in m.token_ids] == local

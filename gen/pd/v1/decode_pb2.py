@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pd.v1 import common_pb2 as pd_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12pd/v1/decode.proto\x12\x05pd.v1\x1a\x12pd/v1/common.proto\"\xa6\x02\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\'\n\x08sampling\x18\x03 \x01(\x0b\x32\x15.pd.v1.SamplingParams\x12\"\n\tkv_handle\x18\x04 \x01(\x0b\x32\x0f.pd.v1.KVHandle\x12\x1b\n\x0e\x66irst_token_id\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x17\n\x0f\x66irst_token_ids\x18\x06 \x03(\r\x12\x19\n\x11push_bootstrap_id\x18\x14 \x01(\t\x12\x15\n\rpush_endpoint\x18\x15 \x01(\t\x12\x1f\n\x17resume_output_token_ids\x18( \x03(\rB\x11\n\x0f_first_token_id\"\xfa\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12*\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x13.pd.v1.FinishReason\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x15\n\rkv_recomputed\x18\x04 \x01(\x08\x12\r\n\x05index\x18\x05 \x01(\r\x12%\n\x08logprobs\x18\x06 \x03(\x0b\x32\x13.pd.v1.TokenLogprob\x12.\n\x0fprompt_logprobs\x18\x07 \x01(\x0b\x32\x15.pd.v1.PromptLogprobs\x12\x15\n\rkv_not_pulled\x18\x1e \x01(\x08\x32\xcb\x01\n\rDecodeService\x12\x37\n\x06\x44\x65\x63ode\x12\x14.pd.v1.DecodeRequest\x1a\x15.pd.v1.DecodeResponse0\x01\x12\x44\n\x0bGetKVLayout\x12\x19.pd.v1.GetKVLayoutRequest\x1a\x1a.pd.v1.GetKVLayoutResponse\x12;\n\x08GetStats\x12\x16.pd.v1.GetStatsRequest\x1a\x17.pd.v1.GetStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12pd/v1/decode.proto\x12\x05pd.v1\x1a\x12pd/v1/common.proto\"\xa6\x02\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\'\n\x08sampling\x18\x03 \x01(\x0b\x32\x15.pd.v1.SamplingParams\x12\"\n\tkv_handle\x18\x04 \x01(\x0b\x32\x0f.pd.v1.KVHandle\x12\x1b\n\x0e\x66irst_token_id\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x17\n\x0f\x66irst_token_ids\x18\x06 \x03(\r\x12\x19\n\x11push_bootstrap_id\x18\x14 \x01(\t\x12\x15\n\rpush_endpoint\x18\x15 \x01(\t\x12\x1f\n\x17resume_output_token_ids\x18( \x03(\rB\x11\n\x0f_first_token_id\"\xaa\x02\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12*\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x13.pd.v1.FinishReason\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x15\n\rkv_recomputed\x18\x04 \x01(\x08\x12\r\n\x05index\x18\x05 \x01(\r\x12%\n\x08logprobs\x18\x06 \x03(\x0b\x32\x13.pd.v1.TokenLogprob\x12.\n\x0fprompt_logprobs\x18\x07 \x01(\x0b\x32\x15.pd.v1.PromptLogprobs\x12\x15\n\rkv_not_pulled\x18\x1e \x01(\x08\x12\x1b\n\x0ekv_transfer_us\x18\x1f \x01(\rH\x00\x88\x01\x01\x42\x11\n\x0f_kv_transfer_us2\xcb\x01\n\rDecodeService\x12\x37\n\x06\x44\x65\x63ode\x12\x14.pd.v1.DecodeRequest\x1a\x15.pd.v1.DecodeResponse0\x01\x12\x44\n\x0bGetKVLayout\x12\x19.pd.v1.GetKVLayoutRequest\x1a\x1a.pd.v1.GetKVLayoutResponse\x12;\n\x08GetStats\x12\x16.pd.v1.GetStatsRequest\x1a\x17.pd.v1.GetStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,7 +35,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DECODEREQUEST']._serialized_start=50
   _globals['_DECODEREQUEST']._serialized_end=344
   _globals['_DECODERESPONSE']._serialized_start=347
-  _globals['_DECODERESPONSE']._serialized_end=597
-  _globals['_DECODESERVICE']._serialized_start=600
-  _globals['_DECODESERVICE']._serialized_end=803
+  _globals['_DECODERESPONSE']._serialized_end=645
+  _globals['_DECODESERVICE']._serialized_start=648
+  _globals['_DECODESERVICE']._serialized_end=851
 # @@protoc_insertion_point(module_scope)

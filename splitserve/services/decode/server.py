@@ -2,7 +2,7 @@
 
 It converts ``DecodeRequest`` to a :class:`DecodeJob`, streams the worker's outputs as ``DecodeResponse`` (choice
 ``index``, logprobs and, after a local prefill, the prompt's logprobs; ``kv_recomputed`` on the first one when the
-worker recomputed the prompt's KV instead of pulling it),
+worker recomputed the prompt's KV instead of pulling it, ``kv_transfer_us`` on the first one after a pull),
 counts gRPC bytes and maps errors to status codes (``abort_with``).
 """
 
@@ -64,13 +64,15 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 context.time_remaining(), tuple(request.first_token_ids), tuple(request.resume_output_token_ids),
                 request.push_bootstrap_id, request.push_endpoint,
             )
-            recomputed_sent = False
+            first = True
             async with contextlib.aclosing(self.worker.decode(job)) as run:
                 async for out in run:
                     msg = response_of(out)
-                    if (run.kv_recomputed or run.kv_not_pulled) and not recomputed_sent:
-                        recomputed_sent = True
+                    if first:
+                        first = False
                         msg.kv_recomputed, msg.kv_not_pulled = run.kv_recomputed, run.kv_not_pulled
+                        if run.kv_transfer_s is not None and not run.kv_recomputed:
+                            msg.kv_transfer_us = min(int(run.kv_transfer_s * 1e6), 2**32 - 1)
                     yield self.grpc_bytes.sent(msg)
         except PdError as exc:
             # a cancelled request (this call's or the prefill's: the router cancels both legs) is no fault

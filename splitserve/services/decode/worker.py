@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
@@ -85,6 +86,7 @@ class DecodeRun:
         self.job = job
         self.kv_recomputed = False
         self.kv_not_pulled = False  # the prefix cache held every prompt block: the prefill worker's KV was not pulled
+        self.kv_transfer_s: float | None = None  # seconds the KV pull took (a pull from the prefill worker only)
         self._outputs = outputs(self)
 
     def __aiter__(self) -> DecodeRun:
@@ -259,8 +261,10 @@ class DecodeWorker:
         with observe_receive(self.transport, h.endpoint, h.transfer_id, len(src), path=self.receiver.path) as obs:
             # the prompt's last block moves only its used token rows, a partly held first block only its missing ones
             last = len(job.prompt_token_ids) % bs
+            t0 = time.monotonic()
             obs.nbytes = await self.receiver.fetch(h.endpoint, h.transfer_id, src, dst, timeout, last_block_tokens=last,
                                                    first_block_held=held_rows)
+            run.kv_transfer_s = time.monotonic() - t0
         return None
 
     async def _recompute(self, job: DecodeJob) -> OwnedBlocks:

@@ -32,6 +32,7 @@ class RouterConfig:
     prefill_timeout_s: float = 60.0  # liveness guard of one prefill call (a hung worker is retried elsewhere)
     policy: str = "round_robin"  # round_robin | least_loaded | prefix_aware
     disagg: str = "always"  # always | auto | <uncached-token threshold>
+    disagg_max_stall_ms: float = 200.0  # auto: the longest a local prefill may stall the decode worker's streams; 0: no cap
     # prefix_aware: skip the prefill worker when the decode worker holds all but at most this many prompt tokens; 0: never
     skip_prefill_tokens: int = 32
     poll_interval_s: float = 1.0  # worker heartbeat (health + stats poll) period
@@ -70,6 +71,8 @@ class RouterConfig:
             raise ValueError(f"--policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         if self.disagg not in ("always", "auto") and not self.disagg.isdigit():
             raise ValueError(f"--disagg must be 'always', 'auto' or a token count, got {self.disagg!r}")
+        if not self.disagg_max_stall_ms >= 0:
+            raise ValueError(f"--disagg-max-stall-ms must be >= 0 (0: no cap), got {self.disagg_max_stall_ms}")
         if self.skip_prefill_tokens < 0:
             raise ValueError(f"--skip-prefill-tokens must be >= 0 (0: never skip), got {self.skip_prefill_tokens}")
         if self.poll_interval_s <= 0 or self.miss_limit < 1 or self.prefill_attempts < 1 or self.decode_attempts < 1:
@@ -127,6 +130,9 @@ def parse(argv: list[str] | None = None) -> RouterConfig:
     ap.add_argument("--policy", default=env_str("PD_ROUTING_POLICY", "round_robin"), help="round_robin | least_loaded | prefix_aware")
     ap.add_argument("--disagg", default=env_str("PD_DISAGG", "always"),
                     help="always (remote prefill), auto (measured cost model), or N: prefill prompts with < N uncached tokens on the decode worker")
+    ap.add_argument("--disagg-max-stall-ms", type=float, default=env_float("PD_DISAGG_MAX_STALL_MS", 200.0),
+                    help="with --disagg auto: prefill on the decode worker only prompts whose prefill (at its measured "
+                         "speed) stalls its running streams for at most this long (0: no cap)")
     ap.add_argument("--skip-prefill-tokens", type=int, default=env_int("PD_SKIP_PREFILL_TOKENS", 32),
                     help="with --policy prefix_aware: prefill on the decode worker (its prefix cache) when it is believed to "
                          "hold all but at most this many prompt tokens (0: never; 1: all but the last token)")
@@ -166,7 +172,7 @@ def parse(argv: list[str] | None = None) -> RouterConfig:
     return RouterConfig(
         model=a.model, prefill=a.prefill, decode=a.decode, workers=workers, host=a.host, http_port=a.http_port,
         grpc_port=a.grpc_port, served_model_name=a.served_model_name, prefill_timeout_s=a.prefill_timeout_s,
-        policy=a.policy, disagg=a.disagg.strip().lower(), skip_prefill_tokens=a.skip_prefill_tokens,
+        policy=a.policy, disagg=a.disagg.strip().lower(), disagg_max_stall_ms=a.disagg_max_stall_ms, skip_prefill_tokens=a.skip_prefill_tokens,
         poll_interval_s=a.poll_interval_s, miss_limit=a.miss_limit,
         prefill_attempts=a.prefill_attempts, decode_attempts=a.decode_attempts, decode_migrations=a.decode_migrations,
         local_prefill_fallback=a.local_prefill_fallback, request_timeout_s=a.request_timeout_s,

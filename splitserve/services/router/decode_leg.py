@@ -182,7 +182,8 @@ class DecodeLeg:
         if msg.kv_recomputed or msg.kv_not_pulled:
             router.counters["kv_recomputed" if msg.kv_recomputed else "kv_not_pulled"] += 1
             router.kv_release.soon(remote.worker, remote.response.kv_handle.transfer_id)
-        router.disagg.observe_transfer(len(self.prompt), seconds)
+        if msg.HasField("kv_transfer_us"):  # the decode worker pulled the KV: how long the handoff took
+            router.disagg.observe_transfer(len(self.prompt), msg.kv_transfer_us / 1e6)
 
     async def _event(self, call: grpc.aio.UnaryStreamCall, msg: decode_pb2.DecodeResponse) -> TokenEvent | None:
         """``msg`` as a TokenEvent (its tokens recorded in ``generated``); None for a choice that has already finished.

@@ -20,7 +20,6 @@ decode worker prefills the prompt itself.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -110,7 +109,7 @@ async def prefill_leg(router: RoutedBackend, request_id: str, prompt: PromptBloc
         router.counters["prefill_skipped"] += 1
         return None
     uncached = len(prompt) - router.policy.matched_tokens(prefill, prompt)
-    if router.disagg.decide(uncached, prefill.inflight_prefill_tokens, decode.running_requests).local:
+    if router.disagg.decide(uncached, router.disagg.prefill_queue.wait_s(prefill.address), decode.running_requests).local:
         return None
     while prefill is not None:
         resp = await _try_prefill(router, prefill, request_id, prompt, sampling, uncached, deadline)
@@ -139,7 +138,8 @@ async def _try_prefill(router: RoutedBackend, w: WorkerState, request_id: str, p
     worker's queued prefill tokens while the call runs. ``push_bootstrap_id``: push the KV (:mod:`.push_leg`)."""
     w.inflight_requests += 1
     w.inflight_prefill_tokens += uncached
-    t0 = time.monotonic()
+    call = router.disagg.remote_started(w.address, uncached)
+    done: int | None = None  # uncached tokens prefilled (the cost model's sample), once the call succeeded
     try:
         resp = await w.stub.Prefill(
             prefill_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=prompt.token_ids, sampling=sampling,
@@ -153,9 +153,11 @@ async def _try_prefill(router: RoutedBackend, w: WorkerState, request_id: str, p
             router.registry.mark_failed(w, exc.code().name)
         logger.warning("request %s: prefill worker %s failed: %s", request_id, w.address, exc.code().name)
         return None
+    else:
+        done = len(prompt) - resp.cached_tokens
     finally:
         w.inflight_requests -= 1
         w.inflight_prefill_tokens -= uncached
-    router.disagg.observe_remote_prefill(len(prompt) - resp.cached_tokens, time.monotonic() - t0)
+        router.disagg.remote_finished(call, done)
     router.policy.record(w, prompt)
     return resp

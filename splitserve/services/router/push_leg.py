@@ -86,7 +86,7 @@ async def push_leg(router: RoutedBackend, request_id: str, prompt: PromptBlocks 
     if prefill is None or not prefill.kv_endpoint:
         return None
     uncached = len(prompt) - router.policy.matched_tokens(prefill, prompt)
-    if router.disagg.mode != "always" and router.disagg.decide(uncached, prefill.inflight_prefill_tokens,
+    if router.disagg.mode != "always" and router.disagg.decide(uncached, router.disagg.prefill_queue.wait_s(prefill.address),
                                                                decode.running_requests).local:
         return None
     bootstrap_id = secrets.token_hex(16)

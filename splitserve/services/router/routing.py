@@ -17,7 +17,8 @@ def build_backend(config: RouterConfig) -> RoutedBackend:
     """The router's backend for ``config`` (call ``start()`` inside the event loop)."""
     registry = WorkerRegistry(list(config.prefill), list(config.decode), poll_interval_s=config.poll_interval_s,
                               miss_limit=config.miss_limit, tls=config.tls, workers=list(config.workers))
-    return RoutedBackend(registry, make_policy(config.policy), DisaggregationPolicy(config.disagg),
+    disagg = DisaggregationPolicy(config.disagg, max_local_stall_s=config.disagg_max_stall_ms / 1000 or None)
+    return RoutedBackend(registry, make_policy(config.policy), disagg,
                          prefill_timeout_s=config.prefill_timeout_s, prefill_attempts=config.prefill_attempts,
                          decode_attempts=config.decode_attempts, local_prefill_fallback=config.local_prefill_fallback,
                          decode_stall_timeout_s=config.decode_stall_timeout_s, decode_migrations=config.decode_migrations,
