@@ -84,7 +84,7 @@ def test_fixed_threshold_and_always():
 
 
 def test_auto_threshold_from_measured_costs():
-    auto = DisaggregationPolicy("auto", beta=0.5, max_local_stall_s=None)
+    auto = _exact(DisaggregationPolicy("auto", beta=0.5, max_local_stall_s=None))
     for n in (100, 400, 1600):  # prefill workers: 1 ms/token + 10 ms; decode workers the same speed
         auto.observe_remote_prefill(n, 0.010 + 1e-3 * n)
         auto.observe_local_prefill(n, 0.010 + 1e-3 * n)
@@ -99,6 +99,13 @@ def test_auto_threshold_from_measured_costs():
     assert queued.threshold > busy.threshold and queued.local
 
 
+def _exact(policy: DisaggregationPolicy) -> DisaggregationPolicy:
+    """The policy with plain least squares (no anchor at the prior), for tests of the cost algebra."""
+    for fit in (policy.remote_prefill, policy.local_prefill, policy.transfer):
+        fit.anchor_weight = 0.0
+    return policy
+
+
 class _Clock:
     def __init__(self) -> None:
         self.t = 100.0
@@ -107,7 +114,7 @@ class _Clock:
         return self.t
 
 
-def test_prefill_queue_waits_for_the_calls_in_flight_and_resets_when_they_end():
+def test_prefill_queue_waits_for_the_calls_in_flight_and_gives_service_times():
     clock = _Clock()
     q = PrefillQueue(clock)
     assert q.wait_s("p0") == 0.0
@@ -116,21 +123,29 @@ def test_prefill_queue_waits_for_the_calls_in_flight_and_resets_when_they_end():
     assert q.wait_s("p0") == pytest.approx(1.5) and q.wait_s("p1") == 0.0
     clock.t += 0.4
     assert q.wait_s("p0") == pytest.approx(1.1)  # the queue drains with time
+    c = q.start("p1", 0.1)  # another worker: its own queue
     clock.t += 0.8
-    assert q.end(a) == (pytest.approx(1.2), False)  # b started while a ran: a's time is no clean sample
+    assert q.end(a) == (pytest.approx(1.2), pytest.approx(1.2))  # nothing ahead of a: its whole time
     assert q.wait_s("p0") == pytest.approx(0.3)  # b is still in flight
     clock.t += 0.5
-    assert q.end(b) == (pytest.approx(1.7), False)  # sent at 100: it waited behind a
+    assert q.end(b) == (pytest.approx(1.7), pytest.approx(0.5))  # sent at 100, served from a's end at 101.2
     assert q.wait_s("p0") == 0.0
-    c = q.start("p0", 5.0)
+    assert q.end(c) == (pytest.approx(1.3), pytest.approx(1.3))
+    d, e = q.start("p0", 5.0), q.start("p0", 5.0)
     clock.t += 0.25
-    assert q.end(c) == (pytest.approx(0.25), True)  # alone from start to end: a service time
+    assert q.end(d)[1] == pytest.approx(0.25)
+    assert q.end(e) == (pytest.approx(0.25), None)  # ended with d, in one engine step: no time of its own
     assert q.wait_s("p0") == 0.0  # answered early: nothing of ours is queued there any more
+    f, g = q.start("p0", 1.0), q.start("p0", 1.0)
+    clock.t += 0.5
+    assert q.end(g) == (pytest.approx(0.5), None)  # f, ahead of it, still runs: unknown
+    clock.t += 0.5
+    assert q.end(f)[1] == pytest.approx(1.0)
 
 
-def test_auto_learns_the_prefill_cost_only_from_calls_that_ran_alone():
+def test_auto_learns_the_prefill_cost_from_service_times_not_queue_waits():
     clock = _Clock()
-    auto = DisaggregationPolicy("auto", clock=clock)
+    auto = _exact(DisaggregationPolicy("auto", clock=clock))
     for n in (100, 400, 1600, 800):  # alone: 10 ms + 0.5 ms/token
         call = auto.remote_started("p0", n)
         clock.t += 0.010 + 5e-4 * n
@@ -142,7 +157,7 @@ def test_auto_learns_the_prefill_cost_only_from_calls_that_ran_alone():
     clock.t += 0.51
     auto.remote_finished(first, 1000)
     clock.t += 0.06
-    auto.remote_finished(second, 100)  # 0.57 s for 100 tokens: a queue, not a cost; the fit must not take it
+    auto.remote_finished(second, 100)  # 0.57 s for 100 tokens, 0.06 s of it served: the fit takes the service time
     assert auto.remote_prefill.params() == (pytest.approx(a_p), pytest.approx(o_p))
     failed = auto.remote_started("p0", 100)
     clock.t += 3.0
@@ -152,7 +167,7 @@ def test_auto_learns_the_prefill_cost_only_from_calls_that_ran_alone():
 
 def test_auto_sends_a_chat_to_an_idle_prefill_worker_and_keeps_it_local_behind_a_document():
     clock = _Clock()
-    auto = DisaggregationPolicy("auto", clock=clock)
+    auto = _exact(DisaggregationPolicy("auto", clock=clock))
     for n in (50, 200, 1000):
         call = auto.remote_started("p0", n)
         clock.t += 0.010 + 4e-4 * n  # prefill worker: 10 ms + 0.4 ms/token
@@ -214,7 +229,7 @@ async def test_registry_marks_a_worker_down_after_missed_heartbeats_and_up_on_re
 
 
 def test_auto_never_prefills_locally_what_would_stall_the_decodes_past_the_cap():
-    auto = DisaggregationPolicy("auto", max_local_stall_s=0.2)
+    auto = _exact(DisaggregationPolicy("auto", max_local_stall_s=0.2))
     for n in (100, 400, 1600):
         auto.observe_remote_prefill(n, 0.010 + 1e-3 * n)
         auto.observe_local_prefill(n, 0.010 + 1e-3 * n)  # 1 ms/token: the cap is 200 tokens
@@ -224,3 +239,39 @@ def test_auto_never_prefills_locally_what_would_stall_the_decodes_past_the_cap()
     uncapped = DisaggregationPolicy("auto", max_local_stall_s=None)
     uncapped.local_prefill, uncapped.remote_prefill = auto.local_prefill, auto.remote_prefill
     assert uncapped.decide(1000, prefill_wait_s=30.0, decode_running=8).local
+
+
+def test_auto_splits_a_burst_of_chats_between_the_decode_and_the_idle_prefill_worker():
+    clock = _Clock()
+    auto = _exact(DisaggregationPolicy("auto", clock=clock))
+    for n in (50, 100, 150):  # both workers: 10 ms + 1 ms/token, alone
+        auto.remote_finished(auto.remote_started("p0", n), None)  # failed calls teach nothing
+        call = auto.remote_started("p0", n)
+        clock.t += 0.010 + 1e-3 * n
+        auto.remote_finished(call, n)
+        local = auto.local_started("d0", n)
+        clock.t += 0.010 + 1e-3 * n
+        auto.local_finished(local, n)
+    assert auto.local_prefill.params() == (pytest.approx(1e-3), pytest.approx(0.010))
+    where = []
+    for _ in range(8):  # eight 100-token chats at once, nothing running yet
+        d = auto.decide(100, auto.prefill_queue.wait_s("p0"), 0, auto.local_queue.wait_s("d0"))
+        where.append("local" if d.local else "remote")
+        (auto.local_started if d.local else auto.remote_started)("d0" if d.local else "p0", 100)
+    assert where.count("local") == 4 and where.count("remote") == 4  # each queue grows in turn
+
+
+def test_the_anchor_keeps_a_fit_sane_when_every_sample_has_the_same_size():
+    import random
+
+    rng = random.Random(0)
+    plain, anchored = LinearFit(1e-3, 0.0), LinearFit(1e-3, 0.0, anchor_weight=1.0)
+    for _ in range(40):  # documents of 980..1020 tokens at 1 ms/token, their times +-10%: noise, not a slope
+        n = rng.randint(980, 1020)
+        y = n * 1e-3 * rng.uniform(0.9, 1.1)
+        plain.add(n, y)
+        anchored.add(n, y)
+    slope, intercept = anchored.params()
+    assert slope == pytest.approx(1e-3, rel=0.1) and intercept < 0.05
+    p_slope, p_intercept = plain.params()
+    assert abs(p_slope - 1e-3) > 1e-4 or p_intercept > 0.05  # least squares alone reads the noise as a line

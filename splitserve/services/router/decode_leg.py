@@ -47,6 +47,7 @@ from splitserve.telemetry.metrics import DISAGG_DECISIONS, ROUTER_FAILOVERS
 
 if TYPE_CHECKING:
     from splitserve.services.router.backend import RoutedBackend
+    from splitserve.services.router.disaggregation import QueuedPrefill
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +91,7 @@ class DecodeLeg:
         self.tried: set[str] = set(tried)
         self.attempts = 0  # decode workers this leg called
         self.started = False
+        self.local_call: QueuedPrefill | None = None  # a local prefill in the cost model's queue, until its first token
         self.migrations = migrations
         self.logprobs = sampling.HasField("logprobs")
         self.choice = None if resume is None else resume[0]  # a continuation's stream (index 0) is this choice
@@ -119,6 +121,9 @@ class DecodeLeg:
         remote = self.remote
         if self.choice is None:
             DISAGG_DECISIONS.labels("local_prefill" if remote is None else "remote_prefill").inc()
+            if remote is None and self.pushed_call is None:  # a local prefill: it queues on the decode worker
+                uncached = len(self.prompt) - self.router.policy.matched_tokens(self.decode, self.prompt)
+                self.local_call = self.router.disagg.local_started(self.decode.address, uncached)
         try:
             if remote is not None:  # inside the try: a client gone after the first token still releases the KV
                 for ev in remote.first_events():
@@ -153,6 +158,9 @@ class DecodeLeg:
                     if not call.done():
                         call.cancel()
         finally:
+            if self.local_call is not None:  # no first token from it (failed, moved or cancelled): no sample
+                self.router.disagg.local_finished(self.local_call, None)
+                self.local_call = None
             if remote is not None and not self.started and remote.response.HasField("kv_handle"):
                 self.router.kv_release.soon(remote.worker, remote.response.kv_handle.transfer_id)  # survives our cancel
         if self.open_choices:
@@ -175,7 +183,9 @@ class DecodeLeg:
         if self.choice is not None:  # a continuation: no prefill decision to learn from
             return
         if remote is None:
-            router.disagg.observe_local_prefill(len(self.prompt) - msg.cached_tokens, seconds)
+            if self.local_call is not None:
+                router.disagg.local_finished(self.local_call, len(self.prompt) - msg.cached_tokens)
+                self.local_call = None
             router.policy.record(self.decode, self.prompt)
             return
         router.policy.record(self.decode, self.prompt)  # the decode worker's prefix cache now holds the prompt

@@ -7,20 +7,22 @@ Modes (``--disagg``):
   prefilled locally on the decode worker; longer ones go to a prefill worker.
 * ``auto``: the threshold is the crossover of two measured linear cost models, refreshed per request::
 
-      local(n)  = o_d + a_d * n * (1 + beta * R_d)
+      local(n)  = W_d + o_d + a_d * n * (1 + beta * R_d)
       remote(n) = W_p + o_p + a_p * n + o_x + s_x * n
-      threshold = (W_p + o_p + o_x - o_d) / (a_d * (1 + beta * R_d) - a_p - s_x)
+      threshold = (W_p + o_p + o_x - o_d - W_d) / (a_d * (1 + beta * R_d) - a_p - s_x)
 
   ``n`` uncached prompt tokens. ``a_p, o_p``: prefill seconds/token and fixed overhead on a prefill worker, fitted
-  to the Prefill RPCs that ran *alone* on their worker (nothing else of this router's in flight there from start to
-  end), so the fit is a service time, not a queue. ``W_p``: the expected wait at the chosen prefill worker -- every
+  to the *service* times of Prefill RPCs (from the later of the call's start and the end of the calls ahead of it),
+  not to their waits in the queue. ``W_p``: the expected wait at the chosen prefill worker -- every
   Prefill call this router sent there and has not seen answered, each queued after the one before at its predicted
-  service time (:class:`PrefillQueue`; FIFO, as a prefill worker admits them). ``a_d, o_d``: the same for local
-  prefill on the decode worker (time from the Decode call to the first streamed token: the wait for the running
-  step included, which a remote prefill does not pay). ``s_x, o_x``: the KV handoff, fitted to the pull times the
+  service time (:class:`PrefillQueue`; FIFO, as a prefill worker admits them). ``a_d, o_d, W_d``: the same for local
+  prefill on the decode worker (time from the Decode call to the first streamed token, service times as above:
+  the wait for the running step included, which a remote prefill does not pay; ``W_d`` the local
+  prefills this router sent there whose first token has not come back). ``s_x, o_x``: the KV handoff, fitted to the pull times the
   decode worker reports (``DecodeResponse.kv_transfer_us``). ``R_d``: requests running on the decode worker, each
   stalled for the length of a local prefill (``beta`` weighs that interference against the request's own TTFT).
-  A non-positive denominator means local prefill is never slower: the threshold is ``max_threshold``.
+  A non-positive denominator means local prefill costs no more per token: the threshold is ``max_threshold``,
+  or 0 when local prefill starts further behind (a negative numerator: its queue and overhead exceed remote's).
   Whatever the crossover, a local prefill may stall the running decodes for at most ``max_local_stall_s``
   (``--disagg-max-stall-ms``): the threshold is capped at ``max_local_stall_s / a_d``. The sum above weighs a
   stall by ``beta`` per running request; the cap keeps a long document off the decode worker even when every
@@ -44,11 +46,17 @@ from splitserve.telemetry.metrics import (DISAGG_PREFILL_SECONDS_PER_TOKEN, DISA
 
 
 class LinearFit:
-    """Online least squares ``y = intercept + slope * x`` with exponential forgetting (``decay`` per sample)."""
+    """Online least squares ``y = intercept + slope * x`` with exponential forgetting (``decay`` per sample).
 
-    def __init__(self, slope: float, intercept: float, decay: float = 0.97, min_samples: int = 3) -> None:
+    ``anchor_weight`` > 0 adds a pseudo-sample ``(0, prior intercept)`` of that weight that never decays: when the
+    samples cluster at one size (a stream of ~1,000-token documents whose times vary by 20%), least squares alone
+    turns that noise into any slope and intercept at all; the anchor pins the line's foot until small samples arrive.
+    """
+
+    def __init__(self, slope: float, intercept: float, decay: float = 0.97, min_samples: int = 3,
+                 anchor_weight: float = 0.0) -> None:
         self.prior = (slope, intercept)
-        self.decay, self.min_samples = decay, min_samples
+        self.decay, self.min_samples, self.anchor_weight = decay, min_samples, anchor_weight
         self.n = 0
         self._w = self._sx = self._sy = self._sxx = self._sxy = 0.0
 
@@ -63,67 +71,83 @@ class LinearFit:
         """(slope, intercept), both >= 0; the prior until enough samples."""
         if self.n < self.min_samples:
             return self.prior
-        mx, my = self._sx / self._w, self._sy / self._w
-        var = self._sxx / self._w - mx * mx
+        a = self.anchor_weight
+        w = self._w + a
+        mx, my = self._sx / w, (self._sy + a * self.prior[1]) / w
+        var = self._sxx / w - mx * mx
         if var <= 1e-9 * max(mx * mx, 1.0):  # all x equal: no slope information, keep the intercept at the prior
             slope = max(self.prior[0], 0.0) if mx <= 0 else max((my - self.prior[1]) / mx, 0.0)
             return slope, max(my - slope * mx, 0.0)
-        slope = (self._sxy / self._w - mx * my) / var
+        slope = (self._sxy / w - mx * my) / var
         slope = max(slope, 0.0)
         return slope, max(my - slope * mx, 0.0)
 
 
 @dataclass(frozen=True, slots=True)
-class RemoteCall:
-    """One Prefill call in flight (from :meth:`PrefillQueue.start`)."""
+class QueuedPrefill:
+    """One prefill in flight on a worker (from :meth:`PrefillQueue.start`): a Prefill call, or a local prefill."""
 
     worker: str
     started: float  # clock seconds
-    alone: bool  # nothing else of this router's was in flight on the worker when it started
-    seq: int  # the worker's start count at this start: another start since means the call did not run alone
+    seq: int  # its number among the worker's starts
+    ahead: frozenset[int]  # the calls in flight on the worker when it was sent: served before it (FIFO)
+
+
+#: a call that ends within this long of another call's end shared its engine step: its time is not its own
+BATCHED_S = 0.001
 
 
 class _WorkerQueue:
-    __slots__ = ("inflight", "busy_until", "starts")
+    __slots__ = ("inflight", "busy_until", "starts", "last_end")
 
     def __init__(self) -> None:
-        self.inflight, self.busy_until, self.starts = 0, 0.0, 0
+        self.inflight: dict[int, float] = {}  # seq -> start time
+        self.busy_until, self.starts, self.last_end = 0.0, 0, float("-inf")
 
 
 class PrefillQueue:
     """What this router has sent each prefill worker and not yet seen answered.
 
     ``wait_s(worker)``: seconds until a prefill sent now would start there, each call in flight queued after the one
-    before it at its predicted service time ``o_p + a_p * n`` (FIFO; the estimate resets to zero when the worker has
-    nothing of ours in flight). A worker shared by several routers is busier than one router's view of it.
+    before it at its predicted service time ``o + a * n`` (FIFO; the estimate resets to zero when the worker has
+    nothing of ours in flight). ``end`` gives a call's service time: from the later of its start and the end of the
+    last call ahead of it (a FIFO server's service time), or None when that is unknown (a call ahead of it is still
+    running, or it ended with another call in one engine step). A worker shared by several routers is busier than
+    one router's view of it.
     """
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
         self._workers: dict[str, _WorkerQueue] = {}
 
-    def start(self, worker: str, service_s: float) -> RemoteCall:
+    def start(self, worker: str, service_s: float) -> QueuedPrefill:
         """Record a call sent to ``worker`` expected to take ``service_s`` seconds of its time once started."""
         q = self._workers.setdefault(worker, _WorkerQueue())
         now = self.clock()
-        alone = q.inflight == 0
-        q.inflight += 1
         q.starts += 1
+        call = QueuedPrefill(worker, now, q.starts, frozenset(q.inflight))
+        q.inflight[q.starts] = now
         q.busy_until = max(q.busy_until, now) + max(service_s, 0.0)
-        return RemoteCall(worker, now, alone, q.starts)
+        return call
 
-    def end(self, call: RemoteCall) -> tuple[float, bool]:
-        """The call answered (or failed): (its seconds, whether it ran alone on the worker from start to end)."""
+    def end(self, call: QueuedPrefill) -> tuple[float, float | None]:
+        """The call answered (or failed): (its seconds, its service seconds or None; see the class)."""
         q = self._workers[call.worker]
         now = self.clock()
-        q.inflight -= 1
-        if q.inflight <= 0:
-            q.inflight, q.busy_until = 0, now
-        return now - call.started, call.alone and q.starts == call.seq
+        q.inflight.pop(call.seq, None)
+        service = None
+        if not call.ahead:
+            service = now - call.started
+        elif not (call.ahead & q.inflight.keys()) and now - q.last_end > BATCHED_S:
+            service = now - max(call.started, q.last_end)
+        q.last_end = now
+        if not q.inflight:
+            q.busy_until = now
+        return now - call.started, service
 
     def wait_s(self, worker: str) -> float:
         q = self._workers.get(worker)
-        return 0.0 if q is None or q.inflight == 0 else max(q.busy_until - self.clock(), 0.0)
+        return 0.0 if q is None or not q.inflight else max(q.busy_until - self.clock(), 0.0)
 
     def describe(self) -> dict[str, float]:
         return {w: round(self.wait_s(w), 4) for w in self._workers}
@@ -159,16 +183,18 @@ class DisaggregationPolicy:
         self.fixed = int(mode) if mode.isdigit() else None
         self.beta, self.max_threshold, self.max_local_stall_s = beta, max_threshold, max_local_stall_s
         a = prior_prefill_s_per_token
-        self.remote_prefill = LinearFit(a, 0.0)
-        self.local_prefill = LinearFit(a, 0.0)
-        self.transfer = LinearFit(0.0, 0.0)
-        self.prefill_queue = PrefillQueue(clock)
+        self.remote_prefill = LinearFit(a, 0.0, anchor_weight=1.0)
+        self.local_prefill = LinearFit(a, 0.0, anchor_weight=1.0)
+        self.transfer = LinearFit(0.0, 0.0, anchor_weight=1.0)
+        self.prefill_queue = PrefillQueue(clock)  # Prefill calls on prefill workers
+        self.local_queue = PrefillQueue(clock)  # local prefills on decode workers, until their first token
         self.threshold = 0.0 if mode == "always" else float(self.fixed if self.fixed is not None else 0)
         DISAGG_THRESHOLD.set(self.threshold)
 
-    def current_threshold(self, prefill_wait_s: float = 0.0, decode_running: float = 0.0) -> float:
+    def current_threshold(self, prefill_wait_s: float = 0.0, decode_running: float = 0.0, local_wait_s: float = 0.0) -> float:
         """Uncached prompt tokens below which local prefill is cheaper; ``prefill_wait_s`` the expected wait at the
-        prefill worker (seconds), ``decode_running`` the decode worker's running requests."""
+        prefill worker (seconds), ``decode_running`` the decode worker's running requests, ``local_wait_s`` the
+        expected wait behind the local prefills in flight on the decode worker (seconds)."""
         if self.mode == "always":
             return 0.0
         if self.fixed is not None:
@@ -177,36 +203,52 @@ class DisaggregationPolicy:
         a_d, o_d = self.local_prefill.params()
         s_x, o_x = self.transfer.params()
         denom = a_d * (1 + self.beta * decode_running) - a_p - s_x
-        num = prefill_wait_s + o_p + o_x - o_d
+        num = prefill_wait_s + o_p + o_x - o_d - local_wait_s
         cap = float(self.max_threshold)
         if self.max_local_stall_s is not None and a_d > 0:
             cap = min(cap, self.max_local_stall_s / a_d)
-        return cap if denom <= 0 else min(max(num / denom, 0.0), cap)
+        if denom <= 0:  # local costs no more per token: it wins everywhere unless it starts behind
+            return cap if num >= 0 else 0.0
+        return min(max(num / denom, 0.0), cap)
 
-    def decide(self, uncached_tokens: int, prefill_wait_s: float = 0.0, decode_running: float = 0.0) -> Decision:
+    def decide(self, uncached_tokens: int, prefill_wait_s: float = 0.0, decode_running: float = 0.0,
+               local_wait_s: float = 0.0) -> Decision:
         """Local (on the decode worker) when ``uncached_tokens`` is below the current threshold (see
-        :meth:`current_threshold`; ``prefill_wait_s`` usually ``self.prefill_queue.wait_s(worker)``)."""
-        t = self.current_threshold(prefill_wait_s, decode_running)
+        :meth:`current_threshold`; the waits usually ``self.prefill_queue.wait_s(worker)`` and
+        ``self.local_queue.wait_s(worker)``)."""
+        t = self.current_threshold(prefill_wait_s, decode_running, local_wait_s)
         self.threshold = t
         DISAGG_THRESHOLD.set(t)
         return Decision(local=uncached_tokens < t, threshold=t, uncached_tokens=uncached_tokens)
 
     # --- measurements -------------------------------------------------------------------------------------
-    def remote_started(self, worker: str, tokens: int) -> RemoteCall:
+    def remote_started(self, worker: str, tokens: int) -> QueuedPrefill:
         """A Prefill call of ``tokens`` uncached tokens was sent to ``worker``: it joins the worker's queue."""
         a_p, o_p = self.remote_prefill.params()
         return self.prefill_queue.start(worker, o_p + a_p * tokens)
 
-    def remote_finished(self, call: RemoteCall, tokens: int | None) -> None:
-        """The call answered after prefilling ``tokens`` uncached tokens (None: it failed). Its time is a sample of
-        the prefill cost only if it ran alone on the worker (otherwise it includes the wait behind other calls)."""
-        seconds, alone = self.prefill_queue.end(call)
-        if tokens is not None and alone:
-            self.observe_remote_prefill(tokens, seconds)
+    def remote_finished(self, call: QueuedPrefill, tokens: int | None) -> None:
+        """The call answered after prefilling ``tokens`` uncached tokens (None: it failed). Its service time (not the
+        wait behind the calls ahead of it; :class:`PrefillQueue`) is a sample of the prefill cost."""
+        _, service = self.prefill_queue.end(call)
+        if tokens is not None and service is not None:
+            self.observe_remote_prefill(tokens, service)
 
     def observe_remote_prefill(self, tokens: int, seconds: float) -> None:
         self.remote_prefill.add(tokens, seconds)
         DISAGG_PREFILL_SECONDS_PER_TOKEN.labels("remote").set(self.remote_prefill.params()[0])
+
+    def local_started(self, worker: str, tokens: int) -> QueuedPrefill:
+        """A local prefill of about ``tokens`` uncached tokens was sent to the decode worker ``worker``."""
+        a_d, o_d = self.local_prefill.params()
+        return self.local_queue.start(worker, o_d + a_d * tokens)
+
+    def local_finished(self, call: QueuedPrefill, tokens: int | None) -> None:
+        """Its first token came back after prefilling ``tokens`` uncached tokens (None: it failed first); its service
+        time is a sample of the local cost."""
+        _, service = self.local_queue.end(call)
+        if tokens is not None and service is not None:
+            self.observe_local_prefill(tokens, service)
 
     def observe_local_prefill(self, tokens: int, seconds: float) -> None:
         self.local_prefill.add(tokens, seconds)
@@ -224,5 +266,5 @@ class DisaggregationPolicy:
             "remote_prefill": dict(zip(("s_per_token", "overhead_s"), self.remote_prefill.params())),
             "local_prefill": dict(zip(("s_per_token", "overhead_s"), self.local_prefill.params())),
             "transfer": dict(zip(("s_per_token", "overhead_s"), self.transfer.params())),
-            "prefill_wait_s": self.prefill_queue.describe(),
+            "prefill_wait_s": self.prefill_queue.describe(), "local_prefill_wait_s": self.local_queue.describe(),
         }

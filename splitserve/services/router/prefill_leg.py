@@ -109,7 +109,9 @@ async def prefill_leg(router: RoutedBackend, request_id: str, prompt: PromptBloc
         router.counters["prefill_skipped"] += 1
         return None
     uncached = len(prompt) - router.policy.matched_tokens(prefill, prompt)
-    if router.disagg.decide(uncached, router.disagg.prefill_queue.wait_s(prefill.address), decode.running_requests).local:
+    disagg = router.disagg
+    if disagg.decide(uncached, disagg.prefill_queue.wait_s(prefill.address), decode.running_requests,
+                     disagg.local_queue.wait_s(decode.address)).local:
         return None
     while prefill is not None:
         resp = await _try_prefill(router, prefill, request_id, prompt, sampling, uncached, deadline)

@@ -86,8 +86,9 @@ async def push_leg(router: RoutedBackend, request_id: str, prompt: PromptBlocks 
     if prefill is None or not prefill.kv_endpoint:
         return None
     uncached = len(prompt) - router.policy.matched_tokens(prefill, prompt)
-    if router.disagg.mode != "always" and router.disagg.decide(uncached, router.disagg.prefill_queue.wait_s(prefill.address),
-                                                               decode.running_requests).local:
+    disagg = router.disagg
+    if disagg.mode != "always" and disagg.decide(uncached, disagg.prefill_queue.wait_s(prefill.address), decode.running_requests,
+                                                 disagg.local_queue.wait_s(decode.address)).local:
         return None
     bootstrap_id = secrets.token_hex(16)
     call = decode.stub.Decode(
