@@ -101,7 +101,7 @@ class _WorkerQueue:
     __slots__ = ("inflight", "busy_until", "starts", "last_end")
 
     def __init__(self) -> None:
-        self.inflight: dict[int, float] = {}  # seq -> start time
+        self.inflight: set[int] = set()  # the seqs of the calls in flight
         self.busy_until, self.starts, self.last_end = 0.0, 0, float("-inf")
 
 
@@ -126,7 +126,7 @@ class PrefillQueue:
         now = self.clock()
         q.starts += 1
         call = QueuedPrefill(worker, now, q.starts, frozenset(q.inflight))
-        q.inflight[q.starts] = now
+        q.inflight.add(q.starts)
         q.busy_until = max(q.busy_until, now) + max(service_s, 0.0)
         return call
 
@@ -134,11 +134,11 @@ class PrefillQueue:
         """The call answered (or failed): (its seconds, its service seconds or None; see the class)."""
         q = self._workers[call.worker]
         now = self.clock()
-        q.inflight.pop(call.seq, None)
+        q.inflight.discard(call.seq)
         service = None
         if not call.ahead:
             service = now - call.started
-        elif not (call.ahead & q.inflight.keys()) and now - q.last_end > BATCHED_S:
+        elif call.ahead.isdisjoint(q.inflight) and now - q.last_end > BATCHED_S:
             service = now - max(call.started, q.last_end)
         q.last_end = now
         if not q.inflight:
