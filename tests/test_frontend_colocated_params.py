@@ -52,6 +52,10 @@ async def test_seed_stop_token_ids_and_ignore_eos_reach_the_engine(served, lm) -
     a = await complete(c, prompt="Once upon a time", max_tokens=16, temperature=1.0, seed=11)
     b = await complete(c, prompt="Once upon a time", max_tokens=16, temperature=1.0, seed=11)
     assert a["choices"][0]["text"] == b["choices"][0]["text"]
+    # a negative seed is accepted (as OpenAI and vLLM do) and draws as seed mod 2**63
+    neg = await complete(c, prompt="Once upon a time", max_tokens=16, temperature=1.0, seed=-1)
+    top = await complete(c, prompt="Once upon a time", max_tokens=16, temperature=1.0, seed=2**63 - 1)
+    assert neg["choices"][0]["text"] == top["choices"][0]["text"]
     prompt = lm.tokenizer.encode("Once upon a time")
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     ids = [t async for o in engine.generate("ref", prompt, params) for t in o.token_ids]

@@ -66,7 +66,7 @@ class GenerationRequest(BaseModel):
     temperature: float | None = Field(default=None, ge=0.0, le=MAX_TEMPERATURE)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: JsonInt | None = Field(default=None, ge=-1)
-    seed: JsonInt | None = Field(default=None, ge=0)
+    seed: JsonInt | None = None  # any signed 64-bit integer (as OpenAI and vLLM); a negative one draws as seed mod 2**63
     stop: str | list[str] | None = None
     stop_token_ids: list[StrictInt] | None = None
     ignore_eos: bool = False
@@ -98,9 +98,10 @@ class GenerationRequest(BaseModel):
     @field_validator("seed")
     @classmethod
     def _check_seed(cls, v: int | None) -> int | None:
-        if v is not None and v >= 2**63:  # not Field(lt=...): pydantic prints a bound that large as a float
-            raise ValueError(f"must be less than 2**63 = {2**63}")
-        return v
+        """A signed 64-bit seed; the engine's seeds are [0, 2**63), so a negative one maps to ``v % 2**63``."""
+        if v is not None and not -(2**63) <= v < 2**63:  # not Field(lt=...): pydantic prints a bound that large as a float
+            raise ValueError(f"must be a signed 64-bit integer, in [-2**63, 2**63) = [{-(2**63)}, {2**63})")
+        return None if v is None else v % 2**63
 
     @field_validator("stop_token_ids")
     @classmethod
