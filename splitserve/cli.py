@@ -237,13 +237,16 @@ def _generate(argv: list[str]) -> int:
     ap.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0: greedy")
     ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: smallest token set with this probability mass")
     ap.add_argument("--top-k", type=int, default=-1, help="sample among the k likeliest tokens; -1: all")
-    ap.add_argument("--seed", type=int, help="sampling seed (default: none, a random one)")
+    ap.add_argument("--seed", type=int, help="sampling seed, signed 64-bit; a negative one draws as seed mod 2**63 "
+                    "(default: none, a random one)")
     ap.add_argument("--stop", action="append", default=[], help="stop string (repeat the flag for several)")
     ap.add_argument("--api-key", default=env_str("PD_API_KEY"), help=f"router API key; prefer PD_API_KEY {SECRET_DEFAULT}")
     add_tls_args(ap)
     a = ap.parse_args(argv)
     if a.max_tokens < 1:
         usage_error("generate", f"--max-tokens must be >= 1, got {a.max_tokens}")
+    if a.seed is not None and not -(2**63) <= a.seed < 2**63:
+        usage_error("generate", f"--seed must be a signed 64-bit integer, in [-2**63, 2**63), got {a.seed}")
     try:
         tls = tls_config(a)
     except ValueError as exc:

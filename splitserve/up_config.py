@@ -76,6 +76,7 @@ class UpConfig:
     store_replicas: int = 1
     policy: str = "round_robin"
     disagg: str = "always"
+    disagg_max_stall_ms: float = 200.0  # the router's --disagg-max-stall-ms (auto)
     shutdown_grace_s: float = DEFAULT_GRACE_S
     otlp_endpoint: str | None = None
     tls: TlsConfig = TlsConfig()
@@ -106,6 +107,8 @@ class UpConfig:
         for flag, slo in (("--slo-ttft-ms", self.slo_ttft_ms), ("--slo-itl-ms", self.slo_itl_ms)):
             if slo is not None and not slo > 0:
                 raise ValueError(f"{flag} must be > 0, got {slo}")
+        if not self.disagg_max_stall_ms >= 0:
+            raise ValueError(f"--disagg-max-stall-ms must be >= 0 (0: no cap), got {self.disagg_max_stall_ms}")
         if self.kv_push_layer_groups < 0:
             raise ValueError(f"--kv-push-layer-groups must be >= 0 (0: one per layer), got {self.kv_push_layer_groups}")
         if self.decode_migrations < 0:
@@ -167,7 +170,8 @@ class UpConfig:
                     *(["--slo-itl-ms", str(self.slo_itl_ms)] if self.slo_itl_ms else [])] if self.planner else [])
         continuity = ["--chat-token-continuity" if self.chat_token_continuity else "--no-chat-token-continuity",
                       "--chat-token-continuity-mb", str(self.chat_token_continuity_mb)]
-        return ["--policy", self.policy, "--disagg", self.disagg, "--kv-transfer-mode", self.kv_transfer_mode,
+        return ["--policy", self.policy, "--disagg", self.disagg, "--disagg-max-stall-ms", f"{self.disagg_max_stall_ms:g}",
+                "--kv-transfer-mode", self.kv_transfer_mode,
                 "--decode-migrations", str(self.decode_migrations), *continuity, *name, *planner]
 
     def router_env(self) -> dict[str, str]:
@@ -271,6 +275,9 @@ def parse(argv: list[str] | None = None) -> UpConfig:
                     help="router's worker selection policy")
     ap.add_argument("--disagg", default=env_str("PD_DISAGG", "always"),
                     help="always | auto | N: prompts with < N uncached tokens are prefilled on the decode worker")
+    ap.add_argument("--disagg-max-stall-ms", type=float, default=env_float("PD_DISAGG_MAX_STALL_MS", 200.0),
+                    help="with --disagg auto: prefill on the decode worker only prompts whose prefill stalls its running "
+                         "streams for at most this long (0: no cap)")
     ap.add_argument("--shutdown-grace-s", type=float, default=env_float("PD_SHUTDOWN_GRACE_S", DEFAULT_GRACE_S),
                     help="Ctrl-C/SIGTERM: in-flight requests may finish within this many seconds (0: stop at once; "
                          "a second Ctrl-C stops at once too)")
@@ -289,7 +296,8 @@ def parse(argv: list[str] | None = None) -> UpConfig:
         grpc_port=a.grpc_port, transport=a.transport, block_size=a.block_size, kv_cache_mb=a.kv_cache_mb,
         kv_transfer_mode=a.kv_transfer_mode, dtype=a.dtype, max_model_len=a.max_model_len,
         store_nodes=0 if a.no_store else a.store_nodes, store_mb=a.store_mb,
-        store_replicas=a.store_replicas, policy=a.policy, disagg=a.disagg, shutdown_grace_s=a.shutdown_grace_s,
+        store_replicas=a.store_replicas, policy=a.policy, disagg=a.disagg, disagg_max_stall_ms=a.disagg_max_stall_ms,
+        shutdown_grace_s=a.shutdown_grace_s,
         otlp_endpoint=otlp, tls=tls_config(a), served_model_name=a.served_model_name, api_key=a.api_key,
         prefill_cpus=a.prefill_cpus, decode_cpus=a.decode_cpus, max_num_seqs=a.max_num_seqs,
         max_num_batched_tokens=a.max_num_batched_tokens, enable_chunked_prefill=a.enable_chunked_prefill,

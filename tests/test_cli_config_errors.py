@@ -66,6 +66,9 @@ CASES = [
     (["router", "--chat-token-continuity-mb", "0"], "--chat-token-continuity-mb must be >= 1 (MiB), got 0"),
     (["colocated", "--chat-token-continuity-mb", "-2"], "--chat-token-continuity-mb must be >= 1 (MiB), got -2"),
     (["generate", "hi", "--max-tokens", "0"], "--max-tokens must be >= 1"),
+    (["generate", "hi", "--seed", str(2**63)], "--seed must be a signed 64-bit integer"),
+    (["up", "--disagg-max-stall-ms", "-1"], "--disagg-max-stall-ms must be >= 0 (0: no cap), got -1"),
+    (["router", "--disagg-max-stall-ms", "-5"], "--disagg-max-stall-ms must be >= 0 (0: no cap), got -5"),
     (["generate", "hi", "--tls-ca", "/nope/ca.pem"], "TLS: file not found"),
 ]
 

@@ -106,3 +106,25 @@ async def test_temperature_above_openais_two_is_refused_by_both_front_doors(door
     async for _ in stub.Generate(router_pb2.GenerateRequest(prompt="Once", sampling=S(max_tokens=4, temperature=2.0))):
         pass  # the top of the range is served
     assert backend.calls != []
+
+
+async def test_a_negative_seed_draws_as_seed_mod_2_63_over_http_grpc_and_the_python_client(doors, tok) -> None:
+    from splitserve.client import RouterClient
+
+    http, stub, backend = doors
+    resp = await http.post("/v1/completions", json={"model": MODEL, "prompt": "Once", "max_tokens": 3, "seed": -1})
+    assert resp.status_code == 200, resp.text
+    grpc_backend = ScriptedBackend(script=tok.encode(" upon a time", add_special_tokens=False))
+    server, _ = create_server()
+    router_pb2_grpc.add_RouterServiceServicer_to_server(RouterServicer(grpc_backend, tok, MAX_MODEL_LEN), server)
+    address = f"127.0.0.1:{bind(server, '127.0.0.1', 0)}"
+    await server.start()
+    try:
+        async with RouterClient(address) as client:
+            _ = [d async for d in client.generate("Once", max_tokens=3, seed=-1)]
+            with pytest.raises(ValueError, match="signed 64-bit"):
+                _ = [d async for d in client.generate("Once", max_tokens=3, seed=2**63)]
+    finally:
+        await server.stop(0)
+    (_, _, http_params), (_, _, grpc_params) = backend.calls[0], grpc_backend.calls[0]
+    assert http_params.seed == grpc_params.seed == 2**63 - 1

@@ -135,6 +135,11 @@ def test_prefill_queue_waits_for_the_calls_in_flight_and_gives_service_times():
     clock.t += 0.25
     assert q.end(d)[1] == pytest.approx(0.25)
     assert q.end(e) == (pytest.approx(0.25), None)  # ended with d, in one engine step: no time of its own
+    d, e = q.start("p0", 0.1), q.start("p0", 0.1)
+    clock.t += 0.1
+    q.end(d)
+    clock.t += 0.004  # e's answer came a few ms after d's (one step, two streams): 4 ms is no service time of 0.1 s
+    assert q.end(e) == (pytest.approx(0.104), None)
     assert q.wait_s("p0") == 0.0  # answered early: nothing of ours is queued there any more
     f, g = q.start("p0", 1.0), q.start("p0", 1.0)
     clock.t += 0.5
@@ -275,3 +280,17 @@ def test_the_anchor_keeps_a_fit_sane_when_every_sample_has_the_same_size():
     assert slope == pytest.approx(1e-3, rel=0.1) and intercept < 0.05
     p_slope, p_intercept = plain.params()
     assert abs(p_slope - 1e-3) > 1e-4 or p_intercept > 0.05  # least squares alone reads the noise as a line
+
+
+def test_a_fit_without_a_slope_falls_back_to_a_line_through_the_origin_and_the_cap_to_the_prior():
+    f = LinearFit(1e-3, 0.0)
+    for n, y in ((100, 0.30), (200, 0.10), (400, 0.12)):  # noise: least squares gives a negative slope
+        f.add(n, y)
+    slope, intercept = f.params()
+    assert slope == pytest.approx((100 * 0.30 + 200 * 0.10 + 400 * 0.12) / (100**2 + 200**2 + 400**2), rel=0.05)  # (decayed weights)
+    assert intercept == 0.0
+    auto = DisaggregationPolicy("auto", max_local_stall_s=0.2)
+    for n in (100, 200, 400):
+        auto.observe_local_prefill(n, 0.0)  # (a degenerate fit: zero seconds per token)
+    assert auto.local_prefill.params()[0] == 0.0
+    assert auto.decide(1000, prefill_wait_s=30.0, decode_running=8).threshold == pytest.approx(200)  # 0.2 s / 1e-3 prior

@@ -112,6 +112,16 @@ def test_up_passes_push_layer_groups_to_decode_workers_and_decode_migrations_to_
     assert _flag(_argv(pull, "router"), "--decode-migrations") == "1"
 
 
+def test_up_passes_the_disaggregation_stall_cap_to_the_router(monkeypatch):
+    monkeypatch.delenv("PD_DISAGG_MAX_STALL_MS", raising=False)
+    cluster, _, _ = up_cluster(parse(["--disagg", "auto", "--disagg-max-stall-ms", "75", "--no-store", "--http-port", "0",
+                                      "--grpc-port", "0"]))
+    assert _flag(_argv(cluster, "router"), "--disagg") == "auto"
+    assert _flag(_argv(cluster, "router"), "--disagg-max-stall-ms") == "75"
+    monkeypatch.setenv("PD_DISAGG_MAX_STALL_MS", "0")
+    assert parse([]).disagg_max_stall_ms == 0.0
+
+
 def test_up_elastic_workers_all_get_push_layer_groups(monkeypatch):
     monkeypatch.delenv("PD_KV_PUSH_LAYER_GROUPS", raising=False)
     cluster, _, _ = up_cluster(parse(["--elastic", "--kv-transfer-mode", "push", "--kv-push-layer-groups", "2", "--no-store", "--http-port", "0",

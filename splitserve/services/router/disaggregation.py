@@ -79,7 +79,8 @@ class LinearFit:
             slope = max(self.prior[0], 0.0) if mx <= 0 else max((my - self.prior[1]) / mx, 0.0)
             return slope, max(my - slope * mx, 0.0)
         slope = (self._sxy / w - mx * my) / var
-        slope = max(slope, 0.0)
+        if slope <= 0:  # the samples say nothing about the slope (noise, or a narrow range): a line through the origin
+            return (self._sxy / self._sxx if self._sxx > 0 else max(self.prior[0], 0.0)), 0.0
         return slope, max(my - slope * mx, 0.0)
 
 
@@ -91,10 +92,12 @@ class QueuedPrefill:
     started: float  # clock seconds
     seq: int  # its number among the worker's starts
     ahead: frozenset[int]  # the calls in flight on the worker when it was sent: served before it (FIFO)
+    expected_s: float  # its predicted service time when it was sent
 
 
-#: a call that ends within this long of another call's end shared its engine step: its time is not its own
-BATCHED_S = 0.001
+#: a queued call served in less than this fraction of its predicted time shared an engine step with a call ahead of
+#: it (their answers reach us one by one, milliseconds apart): its time is not its own
+BATCHED_FRACTION = 0.5
 
 
 class _WorkerQueue:
@@ -112,8 +115,9 @@ class PrefillQueue:
     before it at its predicted service time ``o + a * n`` (FIFO; the estimate resets to zero when the worker has
     nothing of ours in flight). ``end`` gives a call's service time: from the later of its start and the end of the
     last call ahead of it (a FIFO server's service time), or None when that is unknown (a call ahead of it is still
-    running, or it ended with another call in one engine step). A worker shared by several routers is busier than
-    one router's view of it.
+    running, or it was queued and took under ``BATCHED_FRACTION`` of its predicted time: it shared an engine step with
+    a call ahead). A call with nothing ahead always gives its time, so the fit can learn that a worker is faster than
+    predicted. A worker shared by several routers is busier than one router's view of it.
     """
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
@@ -125,7 +129,7 @@ class PrefillQueue:
         q = self._workers.setdefault(worker, _WorkerQueue())
         now = self.clock()
         q.starts += 1
-        call = QueuedPrefill(worker, now, q.starts, frozenset(q.inflight))
+        call = QueuedPrefill(worker, now, q.starts, frozenset(q.inflight), max(service_s, 0.0))
         q.inflight.add(q.starts)
         q.busy_until = max(q.busy_until, now) + max(service_s, 0.0)
         return call
@@ -138,8 +142,9 @@ class PrefillQueue:
         service = None
         if not call.ahead:
             service = now - call.started
-        elif call.ahead.isdisjoint(q.inflight) and now - q.last_end > BATCHED_S:
-            service = now - max(call.started, q.last_end)
+        elif call.ahead.isdisjoint(q.inflight):
+            served = now - max(call.started, q.last_end)
+            service = served if served >= BATCHED_FRACTION * call.expected_s else None
         q.last_end = now
         if not q.inflight:
             q.busy_until = now
@@ -205,8 +210,8 @@ class DisaggregationPolicy:
         denom = a_d * (1 + self.beta * decode_running) - a_p - s_x
         num = prefill_wait_s + o_p + o_x - o_d - local_wait_s
         cap = float(self.max_threshold)
-        if self.max_local_stall_s is not None and a_d > 0:
-            cap = min(cap, self.max_local_stall_s / a_d)
+        if self.max_local_stall_s is not None:  # (a fit without a slope yet: the prior's)
+            cap = min(cap, self.max_local_stall_s / (a_d if a_d > 0 else self.local_prefill.prior[0]))
         if denom <= 0:  # local costs no more per token: it wins everywhere unless it starts behind
             return cap if num >= 0 else 0.0
         return min(max(num / denom, 0.0), cap)
