@@ -1,6 +1,9 @@
 """Engine efficiency against this CPU's own limits, measured in one run.
 
 * memcpy bandwidth: a 256 MiB tensor copy; bytes read + bytes written per second.
+* read bandwidth: a sum over a buffer of the decode step's size (weights + KV), bytes read per second: the
+  rate the decode step could read its bytes at (issue 13's bound; such a buffer may sit in the cache, as the
+  weights do).
 * matmul peak: fp32 ``[2048, 2048] @ [2048, 2048]`` GFLOP/s.
 * decode step: one forward of ``batch`` sequences at context ``context`` through the engine's model
   code; its memory-bandwidth bound is (weight bytes + KV bytes read) / memcpy bandwidth.
@@ -41,6 +44,12 @@ def memcpy_bandwidth(nbytes: int = 256 * MiB, repeat: int = 5, device: str = "cp
     src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
     return 2 * nbytes / _best(lambda: dst.copy_(src), repeat, device)
+
+
+def read_bandwidth(nbytes: int, repeat: int = 5, device: str = "cpu") -> float:
+    """Bytes/s read by a sum over an ``nbytes`` float32 buffer on ``device`` (read once; the sum's FLOPs are cheap)."""
+    src = torch.ones(max(nbytes // 4, 1), dtype=torch.float32, device=device)
+    return src.numel() * 4 / _best(lambda: src.sum(), repeat, device)
 
 
 def matmul_peak(n: int = 2048, repeat: int = 5, device: str = "cpu") -> float:
@@ -97,10 +106,12 @@ def measure(lm: LoadedModel, threads: tuple[int, ...] = (1, 2), batch: int = 8, 
             torch.set_num_threads(n)
             bw, peak = memcpy_bandwidth(device=device), matmul_peak(device=device)
             step, nbytes = decode_step(lm, batch, context)
+            read = read_bandwidth(nbytes, device=device)
             tok_s, flop_s = prefill(lm, prompt)
             rows.append({"threads": n, "memcpy_GBps": bw / 1e9, "matmul_GFLOPs": peak / 1e9,
                          "decode_batch": batch, "decode_context": context, "decode_step_ms": step * 1e3,
                          "decode_bound_ms": nbytes / bw * 1e3, "decode_bytes_MB": nbytes / 1e6,
+                         "read_GBps": read / 1e9, "decode_read_fraction": nbytes / step / read,
                          "prefill_tokens": prompt, "prefill_tok_s": tok_s, "prefill_GFLOPs": flop_s / 1e9})
     finally:
         torch.set_num_threads(before)
@@ -110,12 +121,13 @@ def measure(lm: LoadedModel, threads: tuple[int, ...] = (1, 2), batch: int = 8, 
 def format_rows(rows: list[dict], model: str) -> str:
     """Markdown lines for ``measure`` output."""
     out = [f"Engine efficiency ({model}):", "",
-           "| threads | memcpy GB/s | decode step (ms) | bandwidth bound (ms) | step ÷ bound | prefill tok/s | prefill GFLOP/s "
-           "| matmul peak GFLOP/s | prefill ÷ peak |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           "| threads | memcpy GB/s | decode step (ms) | bandwidth bound (ms) | step ÷ bound | read GB/s (same size) "
+           "| decode reads at ÷ read | prefill tok/s | prefill GFLOP/s | matmul peak GFLOP/s | prefill ÷ peak |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         out.append(f"| {r['threads']} | {r['memcpy_GBps']:.1f} | {r['decode_step_ms']:.1f} (batch {r['decode_batch']}, ctx {r['decode_context']}) | "
                    f"{r['decode_bound_ms']:.1f} ({r['decode_bytes_MB']:.0f} MB) | {r['decode_step_ms'] / r['decode_bound_ms']:.1f}× | "
+                   f"{r['read_GBps']:.1f} | {100 * r['decode_read_fraction']:.0f}% | "
                    f"{r['prefill_tok_s']:.0f} ({r['prefill_tokens']} tok) | {r['prefill_GFLOPs']:.1f} | {r['matmul_GFLOPs']:.1f} | "
                    f"{100 * r['prefill_GFLOPs'] / r['matmul_GFLOPs']:.0f}% |")
     return "\n".join(out)
