@@ -228,6 +228,7 @@ def _generate(argv: list[str]) -> int:
 
     from splitserve.cli_help import SECRET_DEFAULT, new_parser
     from splitserve.client import RouterClient
+    from splitserve.engine.sampling import seed_from_signed
     from splitserve.rpc.tls import add_tls_args, tls_config
 
     ap = new_parser("splitserve generate", "Stream a completion from a router over gRPC.")
@@ -245,8 +246,11 @@ def _generate(argv: list[str]) -> int:
     a = ap.parse_args(argv)
     if a.max_tokens < 1:
         usage_error("generate", f"--max-tokens must be >= 1, got {a.max_tokens}")
-    if a.seed is not None and not -(2**63) <= a.seed < 2**63:
-        usage_error("generate", f"--seed must be a signed 64-bit integer, in [-2**63, 2**63), got {a.seed}")
+    try:
+        if a.seed is not None:
+            seed_from_signed(a.seed)
+    except ValueError as exc:
+        usage_error("generate", f"--{exc}")
     try:
         tls = tls_config(a)
     except ValueError as exc:

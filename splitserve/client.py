@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pd.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 from splitserve.engine.guided_spec import GuidedSpec
+from splitserve.engine.sampling import seed_from_signed
 from splitserve.rpc.convert import guided_to_proto
 from splitserve.rpc.server import channel
 from splitserve.rpc.tls import TlsConfig
@@ -59,10 +60,8 @@ class RouterClient:
             logit_bias=[common_pb2.LogitBias(token_id=t, bias=b) for t, b in (logit_bias or {}).items()],
             bad_words_token_ids=[common_pb2.TokenIdSequence(ids=list(w)) for w in bad_words_token_ids],
         )
-        if seed is not None:  # a signed 64-bit seed, as over HTTP: a negative one draws as seed mod 2**63
-            if not -(2**63) <= seed < 2**63:
-                raise ValueError(f"seed must be a signed 64-bit integer, in [-2**63, 2**63), got {seed}")
-            sampling.seed = seed % 2**63
+        if seed is not None:  # a signed 64-bit seed, as over HTTP (ValueError outside it)
+            sampling.seed = seed_from_signed(seed)
         if repetition_penalty is not None:
             sampling.repetition_penalty = repetition_penalty
         if allowed_token_ids is not None:

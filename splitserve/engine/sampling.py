@@ -14,6 +14,18 @@ MAX_LOGPROBS = 20  # OpenAI's bound on top_logprobs
 MAX_N = 128
 
 
+
+def seed_from_signed(seed: int) -> int:
+    """The engine's seed, in [0, 2**63), for a request's signed 64-bit ``seed`` (OpenAI and vLLM take any int64):
+    ``seed mod 2**63``, so a negative seed draws as that.
+
+    Raises:
+        ValueError: ``seed`` outside [-2**63, 2**63).
+    """
+    if not -(2**63) <= seed < 2**63:
+        raise ValueError(f"seed must be a signed 64-bit integer, in [-2**63, 2**63), got {seed}")
+    return seed % 2**63
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How the next token is chosen and when generation stops.
@@ -78,7 +90,7 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or not -1 <= self.top_k <= _INT32_MAX:
             raise ValueError(f"top_k must be -1, 0 or a positive integer, got {self.top_k!r}")
-        if self.seed is not None and not (0 <= self.seed < 2**63):
+        if self.seed is not None and not (0 <= self.seed < 2**63):  # (a request's signed seed: seed_from_signed)
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed!r}")
         if any((not isinstance(t, int)) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")

@@ -23,7 +23,7 @@ from pydantic import (
     BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, field_validator, model_serializer, model_validator,
 )
 
-from splitserve.engine.sampling import MAX_LOGPROBS, MAX_N
+from splitserve.engine.sampling import MAX_LOGPROBS, MAX_N, seed_from_signed
 from splitserve.frontend.logprob_format import ChatLogprobs, CompletionLogprobs, PromptLogprobsJson
 from splitserve.frontend.prepare import check_stop_strings
 from splitserve.frontend.sampling_map import MAX_TEMPERATURE
@@ -98,10 +98,9 @@ class GenerationRequest(BaseModel):
     @field_validator("seed")
     @classmethod
     def _check_seed(cls, v: int | None) -> int | None:
-        """A signed 64-bit seed; the engine's seeds are [0, 2**63), so a negative one maps to ``v % 2**63``."""
-        if v is not None and not -(2**63) <= v < 2**63:  # not Field(lt=...): pydantic prints a bound that large as a float
-            raise ValueError(f"must be a signed 64-bit integer, in [-2**63, 2**63) = [{-(2**63)}, {2**63})")
-        return None if v is None else v % 2**63
+        """A signed 64-bit seed as the engine's (``seed_from_signed``; not Field(ge=..., lt=...): pydantic prints
+        bounds that large as floats)."""
+        return None if v is None else seed_from_signed(v)
 
     @field_validator("stop_token_ids")
     @classmethod

@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, NoReturn
 
@@ -135,12 +134,11 @@ class DecodeLeg:
                 w = self.decode
                 w.inflight_requests += 1
                 self.attempts += 1
-                t0 = time.monotonic()
                 call, self.pushed_call = self.pushed_call or w.stub.Decode(self.request, timeout=hop_timeout(self.deadline)), None
                 try:
                     async for msg in stall_guard(call, self.router.decode_stall_timeout_s, f"decode worker {w.address}"):
                         if not self.started:
-                            self._first_message(msg, time.monotonic() - t0)
+                            self._first_message(msg)
                         ev = await self._event(call, msg)
                         if ev is not None:
                             if ev.finish_reason is not None and ev.index == (self.choice or 0):
@@ -175,9 +173,9 @@ class DecodeLeg:
         held = self.generated.get(self.choice or 0, [])
         self.router.policy.record(self.decode, self.prompt.extended(held[:-1]))
 
-    def _first_message(self, msg: decode_pb2.DecodeResponse, seconds: float) -> None:
+    def _first_message(self, msg: decode_pb2.DecodeResponse) -> None:
         """The stream started: free KV the decode worker recomputed instead of pulling, and feed the disaggregation
-        cost model (``seconds`` from the Decode call to this message)."""
+        cost model (the local prefill's first token, or the KV pull time the decode worker reports)."""
         self.started = True
         router, remote = self.router, self.remote
         if self.choice is not None:  # a continuation: no prefill decision to learn from

@@ -229,15 +229,12 @@ class DisaggregationPolicy:
     # --- measurements -------------------------------------------------------------------------------------
     def remote_started(self, worker: str, tokens: int) -> QueuedPrefill:
         """A Prefill call of ``tokens`` uncached tokens was sent to ``worker``: it joins the worker's queue."""
-        a_p, o_p = self.remote_prefill.params()
-        return self.prefill_queue.start(worker, o_p + a_p * tokens)
+        return _enqueue(self.prefill_queue, self.remote_prefill, worker, tokens)
 
     def remote_finished(self, call: QueuedPrefill, tokens: int | None) -> None:
         """The call answered after prefilling ``tokens`` uncached tokens (None: it failed). Its service time (not the
         wait behind the calls ahead of it; :class:`PrefillQueue`) is a sample of the prefill cost."""
-        _, service = self.prefill_queue.end(call)
-        if tokens is not None and service is not None:
-            self.observe_remote_prefill(tokens, service)
+        _dequeue(self.prefill_queue, call, tokens, self.observe_remote_prefill)
 
     def observe_remote_prefill(self, tokens: int, seconds: float) -> None:
         self.remote_prefill.add(tokens, seconds)
@@ -245,15 +242,12 @@ class DisaggregationPolicy:
 
     def local_started(self, worker: str, tokens: int) -> QueuedPrefill:
         """A local prefill of about ``tokens`` uncached tokens was sent to the decode worker ``worker``."""
-        a_d, o_d = self.local_prefill.params()
-        return self.local_queue.start(worker, o_d + a_d * tokens)
+        return _enqueue(self.local_queue, self.local_prefill, worker, tokens)
 
     def local_finished(self, call: QueuedPrefill, tokens: int | None) -> None:
         """Its first token came back after prefilling ``tokens`` uncached tokens (None: it failed first); its service
         time is a sample of the local cost."""
-        _, service = self.local_queue.end(call)
-        if tokens is not None and service is not None:
-            self.observe_local_prefill(tokens, service)
+        _dequeue(self.local_queue, call, tokens, self.observe_local_prefill)
 
     def observe_local_prefill(self, tokens: int, seconds: float) -> None:
         self.local_prefill.add(tokens, seconds)
@@ -273,3 +267,17 @@ class DisaggregationPolicy:
             "transfer": dict(zip(("s_per_token", "overhead_s"), self.transfer.params())),
             "prefill_wait_s": self.prefill_queue.describe(), "local_prefill_wait_s": self.local_queue.describe(),
         }
+
+
+def _enqueue(queue: PrefillQueue, fit: LinearFit, worker: str, tokens: int) -> QueuedPrefill:
+    """A prefill of ``tokens`` tokens joins ``worker``'s queue at the service time ``fit`` predicts for it."""
+    slope, intercept = fit.params()
+    return queue.start(worker, intercept + slope * tokens)
+
+
+def _dequeue(queue: PrefillQueue, call: QueuedPrefill, tokens: int | None,
+             observe: Callable[[int, float], None]) -> None:
+    """``call`` ended after prefilling ``tokens`` tokens (None: it failed): its service time, when known, to ``observe``."""
+    _, service = queue.end(call)
+    if tokens is not None and service is not None:
+        observe(tokens, service)
