@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 
 from splitserve.cli_help import new_parser
-from splitserve.env import env_str
+from splitserve.dtypes import DTYPE_CHOICES
+from splitserve.env import env_choice, env_str
 from splitserve.bench import arrivals as arr
 from splitserve.bench import workloads as wl
 from splitserve.bench.metrics import SLO
@@ -266,6 +267,8 @@ def efficiency_main(argv: list[str]) -> int:
     ap.add_argument("--batch", type=int, default=8, help="decode batch size")
     ap.add_argument("--context", type=int, default=512, help="decode context tokens per sequence")
     ap.add_argument("--prompt", type=int, default=512, help="prefill prompt tokens")
+    ap.add_argument("--dtype", default=env_choice("PD_DTYPE", DTYPE_CHOICES, "auto"), choices=DTYPE_CHOICES,
+                    help="weights and KV cache dtype (auto: the checkpoint's; env PD_DTYPE)")
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
     ap.add_argument("--device", default=env_str("PD_DEVICE", "cpu"), help=f"where to measure: {DEVICE_HELP}")
     a = ap.parse_args(argv)
@@ -273,7 +276,7 @@ def efficiency_main(argv: list[str]) -> int:
         check_device_available(a.device)
     except ValueError as exc:
         ap.error(str(exc))
-    rows = measure(load_model(a.model, device=a.device), tuple(int(t) for t in a.threads.split(",")), a.batch, a.context, a.prompt)
+    rows = measure(load_model(a.model, a.dtype, device=a.device), tuple(int(t) for t in a.threads.split(",")), a.batch, a.context, a.prompt)
     print(json.dumps(rows, indent=1) if a.json else format_rows(rows, a.model))
     return 0
 
