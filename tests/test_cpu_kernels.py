@@ -81,9 +81,15 @@ def test_float32_cpu_models_run_on_packed_weights_and_match_torch_mm(monkeypatch
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
-def test_bfloat16_models_keep_torch_weights():
-    lm = load_model("synthetic:llama-tiny", dtype="bfloat16")
-    assert lm.model.model.layers[0].mlp.gate_up_proj.packed is None
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_models_pack_16_bit_weights_and_compute_in_float32(dtype):
+    lm = load_model("synthetic:llama-tiny", dtype=str(dtype).removeprefix("torch."))
+    layer = lm.model.model.layers[0]
+    assert layer.mlp.gate_up_proj.packed.dtype == dtype and layer.mlp.gate_up_proj.weight_t is None
+    assert lm.model.lm_head_packed.dtype == dtype  # tied: packed as a copy, the embedding stays 16-bit
+    assert lm.model.model.embed_tokens.weight.dtype == dtype
+    assert layer.input_layernorm.weight.dtype == torch.float32 and lm.model.activation_dtype == torch.float32
+    assert lm.model.allocate_kv_cache(2, 16).dtype == dtype  # the KV cache (and what a KV block moves) stays 16-bit
 
 
 def _paged(num_blocks, layers, bs, hkv, d, seed):
@@ -125,6 +131,8 @@ def test_float32_cpu_decode_steps_plan_the_kernel_and_others_do_not(monkeypatch)
 
     meta = AttentionMetadata(torch.tensor([1, 9]), [1, 1], [6, 2], [[1, 0], [2]], 4)
     assert plan_attention(meta, 2, torch.zeros(4, 1, 2, 4, 1, 8)).in_place_decode is not None
-    assert plan_attention(meta, 2, torch.zeros(4, 1, 2, 4, 1, 8, dtype=torch.bfloat16)).in_place_decode is None
+    bf16_cache = torch.zeros(4, 1, 2, 4, 1, 8, dtype=torch.bfloat16)
+    assert plan_attention(meta, 2, bf16_cache).in_place_decode is None  # bf16 activations (torch's path)
+    assert plan_attention(meta, 2, bf16_cache, torch.float32).in_place_decode is not None  # float32 over bf16 KV
     monkeypatch.setenv("PD_CPU_KERNELS", "0")
     assert plan_attention(meta, 2, torch.zeros(4, 1, 2, 4, 1, 8)).in_place_decode is None

@@ -30,7 +30,8 @@ async def generate(engine: AsyncEngine, prompt: list[int], n: int) -> list[int]:
 async def test_dtype_matrix_loads_and_generates(dtype):
     lm = load_model("synthetic:llama-tiny", dtype=dtype)
     want = getattr(torch, dtype)
-    assert lm.config.dtype == dtype and {p.dtype for p in lm.model.parameters()} == {want}
+    matrices = {n: p.dtype for n, p in lm.model.named_parameters() if p.dim() >= 2}  # projections, embedding
+    assert lm.config.dtype == dtype and set(matrices.values()) == {want}, matrices  # (norms may be widened)
     engine = AsyncEngine(lm, EngineConfig(kv_cache_mb=1, dtype=dtype))
     assert engine.kv_cache.dtype == want and engine.layout.dtype == dtype
     await engine.start()

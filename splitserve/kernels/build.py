@@ -1,12 +1,14 @@
 """Build and load splitserve's CPU kernels, one C++ extension: ``cpu_kernels.cpp`` (:mod:`~splitserve.kernels.cpu_gemm`'s
-packed GEMM, :mod:`~splitserve.kernels.paged_decode`'s decode attention) and ``cpu_layer_ops.cpp``
-(:mod:`~splitserve.kernels.layer_ops`: RMSNorm, SiLU * up, RoPE + KV store).
+packed GEMM, :mod:`~splitserve.kernels.paged_decode`'s decode attention), ``cpu_layer_ops.cpp``
+(:mod:`~splitserve.kernels.layer_ops`: RMSNorm, SiLU * up, RoPE + KV store) and ``cpu_decoder_layer.cpp``
+(:mod:`~splitserve.kernels.decoder_layer`: those kernels as one call per layer of a decode step).
 
 The extension is compiled by :func:`torch.utils.cpp_extension.load` (g++ and ninja; ~1 minute, once per source
 and torch version) into ``$PD_KERNEL_CACHE`` (default ``~/.cache/splitserve/kernels``); ``make install`` builds
 it (``python -m splitserve.kernels.build``), and a process that finds no build makes one (processes that start
-together wait on torch's build lock). Used only on a CPU with AVX2 and FMA, for float32 models on the CPU, and
-never when ``PD_CPU_KERNELS=0``; if the build fails the model runs on ``torch.mm`` and SDPA and one warning says why.
+together wait on torch's build lock). Used only on a CPU with AVX2, FMA and F16C (every AVX2 CPU has the last two),
+for float32, bfloat16 and float16 models on the CPU, and never when ``PD_CPU_KERNELS=0``; if the build fails the
+model runs on torch (``torch.mm``, SDPA) and one warning says why.
 """
 
 from __future__ import annotations
@@ -28,11 +30,11 @@ from splitserve.env import env_bool
 logger = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / "cpu_kernels.cpp", HERE / "cpu_layer_ops.cpp"]  # with their shared header cpu_simd.h
-HEADERS = [HERE / "cpu_simd.h"]
+SOURCES = [HERE / "cpu_kernels.cpp", HERE / "cpu_layer_ops.cpp", HERE / "cpu_decoder_layer.cpp"]
+HEADERS = [HERE / "cpu_simd.h", HERE / "cpu_kernels.h"]
 # -fopenmp: the kernels split their work with OpenMP pragmas (ignored without it: one thread); torch's CPU build
 # links the same libgomp, so both share one OpenMP runtime
-CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 
 
 def enabled() -> bool:
@@ -102,7 +104,7 @@ def _load() -> ModuleType | None:
         return module
     except Exception as exc:  # no compiler, no ninja, a read-only cache: run on torch.mm
         lines = str(exc).strip().splitlines()
-        logger.warning("CPU kernels unavailable (%s: %s); float32 models run on torch.mm and SDPA", type(exc).__name__,
+        logger.warning("CPU kernels unavailable (%s: %s); models run on torch.mm and SDPA", type(exc).__name__,
                        lines[-1] if lines else "")
         return None
 

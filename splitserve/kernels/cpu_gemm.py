@@ -1,11 +1,13 @@
-"""The packed float32 GEMM of the projections (``cpu_kernels.cpp``: ``packed_gemm``): pack, unpack, call.
+"""The packed GEMM of the projections (``cpu_kernels.cpp``: ``packed_gemm``): pack, unpack, call.
 
 A decode step multiplies a few rows (one per running sequence, M = 1..64) by every weight matrix. A general
 sgemm (MKL, through ``torch.mm``) packs or strides through the weight on every call and, measured on this
 project's 2-core AVX2 machine, ran M = 2..16 at half the speed the weight bytes allow (M = 4 took 2.2x as long
 as this kernel; ``benchmarks/cpu_gemm.py``, ``benchmarks/results/engine_cpu_kernels.txt``). Weights are therefore
 packed once, at load, into 16-column panels ``[ceil(N/16), K, 16]`` that the kernel streams sequentially; it
-serves every M (prefill too). Built and loaded by :mod:`splitserve.kernels.build`.
+serves every M (prefill too). Weights may be packed in float32, bfloat16 or float16; inputs, accumulation and
+outputs are float32 either way (16-bit weights are widened as they are read: weight-only reduced precision, half
+the bytes per decode step). Built and loaded by :mod:`splitserve.kernels.build`.
 """
 
 from __future__ import annotations
@@ -18,11 +20,11 @@ PANEL = 16  # output columns per packed panel (two AVX2 vectors)
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """Pack a Linear weight ``W`` ``[N, K]`` (float32) into panels ``[ceil(N/16), K, 16]``: panel p, row k holds
-    ``W[16p : 16p + 16, k]``, zero-padded past N."""
+    """Pack a Linear weight ``W`` ``[N, K]`` (float32, bfloat16 or float16; kept in its dtype) into panels
+    ``[ceil(N/16), K, 16]``: panel p, row k holds ``W[16p : 16p + 16, k]``, zero-padded past N."""
     n, k = weight.shape
     panels = -(-n // PANEL)
-    padded = torch.zeros(panels * PANEL, k, dtype=torch.float32)
+    padded = torch.zeros(panels * PANEL, k, dtype=weight.dtype)
     padded[:n] = weight
     return padded.view(panels, PANEL, k).transpose(1, 2).contiguous()
 
@@ -38,7 +40,7 @@ def packed_gemm(x: torch.Tensor, packed: torch.Tensor, n: int, residual: torch.T
 
     Args:
         x: float32 ``[M, K]`` on the CPU (made contiguous if it is not).
-        packed: ``[ceil(N/16), K, 16]`` from :func:`pack`.
+        packed: ``[ceil(N/16), K, 16]`` from :func:`pack` (float32, bfloat16 or float16).
         n: N, the output columns.
         residual: float32 ``[M, N]`` or None.
     Returns:

@@ -8,11 +8,11 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
-#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 
 #include "cpu_simd.h"
 
@@ -114,7 +114,37 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up) {
 // qkv: [T, Hq + 2 Hkv, D] contiguous (q heads, k heads, v heads of each new token); cos, signed_sin: [T, D] (sin with
 // its first half negated, RotaryEmbedding.cos_sin). In place: the q and k heads become x * cos + roll(x, D/2) *
 // signed_sin (Hugging Face rotate-half RoPE). Then each token's K and V rows are stored in the cache
-// kv_cache [num_blocks, L, 2, block_size, Hkv, D] at (block_ids[t], layer, 0 / 1, offsets[t]).
+// kv_cache [num_blocks, L, 2, block_size, Hkv, D] at (block_ids[t], layer, 0 / 1, offsets[t]). A bfloat16 or float16
+// cache stores them rounded to nearest even (c10's conversion, torch's own), and the k and v heads of qkv are replaced
+// by the rounded values: attention over this step's K/V (a prefill) then sees what later steps read from the cache.
+namespace {
+
+template <typename T>
+void store_kv_row(float* x, T* dst, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(dst, x, n * sizeof(float));
+  } else {
+    for (int64_t i = 0; i < n; ++i) {
+      const T r(x[i]);
+      dst[i] = r;
+      x[i] = static_cast<float>(r);
+    }
+  }
+}
+
+// Token t's K and V rows (the last 2 Hkv heads of its qkv row x) to its slot of `cache`.
+template <typename T>
+void store_kv(float* x, int64_t H, int64_t D, int64_t Hkv, T* cache, int64_t block, int64_t L, int64_t layer,
+              int64_t bs, int64_t offset) {
+  const int64_t row = Hkv * D;
+  float* k = x + (H - 2 * Hkv) * D;
+  T* dst = cache + ((block * L + layer) * 2 * bs + offset) * row;
+  store_kv_row(k, dst, row);                   // K
+  store_kv_row(k + row, dst + bs * row, row);  // V
+}
+
+}  // namespace
+
 void rope_write_kv(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& signed_sin,
                    const torch::Tensor& kv_cache, int64_t layer, const torch::Tensor& block_ids,
                    const torch::Tensor& offsets, int64_t num_kv_heads) {
@@ -127,10 +157,11 @@ void rope_write_kv(const torch::Tensor& qkv, const torch::Tensor& cos, const tor
     TORCH_CHECK(t->dim() == 2 && t->size(0) == T && t->size(1) == D && t->scalar_type() == torch::kFloat &&
                 t->is_contiguous(), "rope_write_kv: cos and signed_sin must be [T, D] float32 contiguous");
   TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.size(2) == 2 && kv_cache.size(4) == Hkv && kv_cache.size(5) == D &&
-              kv_cache.scalar_type() == torch::kFloat && kv_cache.is_contiguous() && kv_cache.device().is_cpu() &&
+              (kv_cache.scalar_type() == torch::kFloat || kv_cache.scalar_type() == torch::kBFloat16 ||
+               kv_cache.scalar_type() == torch::kHalf) && kv_cache.is_contiguous() && kv_cache.device().is_cpu() &&
               0 <= layer && layer < kv_cache.size(1),
               "rope_write_kv: kv_cache must be [num_blocks, L, 2, block_size, ", Hkv, ", ", D,
-              "] float32 contiguous with layer < L");
+              "] float32, bfloat16 or float16 contiguous with layer < L");
   for (const auto* t : {&block_ids, &offsets})
     TORCH_CHECK(t->dim() == 1 && t->size(0) == T && t->scalar_type() == torch::kLong && t->is_contiguous(),
                 "rope_write_kv: block_ids and offsets must be [T] int64 contiguous");
@@ -143,8 +174,8 @@ void rope_write_kv(const torch::Tensor& qkv, const torch::Tensor& cos, const tor
   float* xp = qkv.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = signed_sin.data_ptr<float>();
-  float* cache = kv_cache.data_ptr<float>();
-  const int64_t half = D / 2, row = Hkv * D;
+  const int64_t half = D / 2;
+  const auto ct = kv_cache.scalar_type();
 #pragma omp parallel for num_threads(row_threads(T, H * D)) schedule(static)
   for (int64_t t = 0; t < T; ++t) {
     const float* c = cp + t * D;
@@ -165,9 +196,9 @@ void rope_write_kv(const torch::Tensor& qkv, const torch::Tensor& cos, const tor
         x[half + i] = std::fma(a, s[half + i], b * c[half + i]);
       }
     }
-    const float* k = xp + (t * H + H - 2 * Hkv) * D;
-    float* dst = cache + ((blk[t] * L + layer) * 2 * bs + off[t]) * row;
-    std::memcpy(dst, k, row * sizeof(float));                // K
-    std::memcpy(dst + bs * row, k + row, row * sizeof(float));  // V
+    float* row = xp + t * H * D;
+    if (ct == torch::kFloat) store_kv(row, H, D, Hkv, kv_cache.data_ptr<float>(), blk[t], L, layer, bs, off[t]);
+    else if (ct == torch::kBFloat16) store_kv(row, H, D, Hkv, kv_cache.data_ptr<c10::BFloat16>(), blk[t], L, layer, bs, off[t]);
+    else store_kv(row, H, D, Hkv, kv_cache.data_ptr<c10::Half>(), blk[t], L, layer, bs, off[t]);
   }
 }

@@ -1,8 +1,21 @@
-// SIMD helpers shared by splitserve's CPU kernels (cpu_kernels.cpp, cpu_layer_ops.cpp): AVX2/FMA, float32.
+// SIMD helpers shared by splitserve's CPU kernels (cpu_kernels.cpp, cpu_layer_ops.cpp): AVX2/FMA/F16C. Arithmetic is
+// float32; weights and KV caches may be stored in bfloat16 or float16 and are widened to float32 as they are loaded.
 #pragma once
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <immintrin.h>
 
 namespace splitserve_simd {
+
+// 8 stored values widened to float32 (exact: every bfloat16 and float16 value is a float32 value).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {  // bfloat16 is the high half of a float32: shift it into place
+  const __m256i bits = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16));
+}
+inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
 
 // exp(x) for 8 floats: x = n ln2 + r, |r| <= ln2 / 2 (Cody-Waite split of ln2), e^r by its degree-6 Taylor
 // polynomial (relative error < 2e-7 on that range), 2^n built in the exponent bits. Inputs are <= 0 here

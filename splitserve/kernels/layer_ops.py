@@ -1,4 +1,4 @@
-"""The small per-layer operations of float32 CPU models (``cpu_layer_ops.cpp``), one kernel call each.
+"""The small per-layer operations of CPU models on the packed kernels (float32 activations) (``cpu_layer_ops.cpp``), one kernel call each.
 
 On a decode step the projections move most bytes, but a layer also ran ~15 small ATen ops (``F.rms_norm`` alone is
 five: pow, mean, add, rsqrt, mul; RoPE three plus a ``roll``; the KV store an ``index_put_``; SiLU and the gate-up
@@ -50,8 +50,10 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor
         qkv: float32 ``[T, Hq + 2 * Hkv, D]`` contiguous: the fused QKV projection's output (q heads, k, v).
         cos, signed_sin: float32 ``[T, D]`` (or ``[T, 1, D]``) from ``RotaryEmbedding.cos_sin`` (sin's first half
             negated): a rotated head is ``x * cos + roll(x, D / 2) * signed_sin``.
-        kv_cache: float32 ``[num_blocks, num_layers, 2, block_size, Hkv, D]`` contiguous; token t's K goes to
-            ``kv_cache[block_ids[t], layer, 0, offsets[t]]``, its V to ``[..., 1, ...]``.
+        kv_cache: ``[num_blocks, num_layers, 2, block_size, Hkv, D]`` float32, bfloat16 or float16, contiguous;
+            token t's K goes to ``kv_cache[block_ids[t], layer, 0, offsets[t]]``, its V to ``[..., 1, ...]``. A
+            16-bit cache stores them rounded to nearest even (torch's conversion) and qkv's k and v heads are
+            replaced by the rounded values, so attention over this step's K/V equals attention over the cache.
         block_ids, offsets: int64 ``[T]``, each token's slot (``slot_mapping // block_size``, ``% block_size``).
     Raises:
         RuntimeError: shapes, dtypes or layouts that do not match, a slot outside the cache, or no kernels.

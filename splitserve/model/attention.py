@@ -11,7 +11,7 @@ write the new K/V with one indexed store, gather each sequence's context as whol
 index), and attend with SDPA's grouped-query mode (K/V are never repeated per query head).
 Sequences with one new token (decode) are batched by similar context length (the longest context of
 a batch at most twice its shortest) into one SDPA call per batch, padded to whole blocks and masked (on the CPU,
-for a float32 cache, splitserve's kernel instead reads every decode's K/V in place in one call:
+for float32 activations, splitserve's kernel instead reads every decode's K/V in place in one call:
 :mod:`splitserve.kernels.paged_decode`);
 the others (prefill, prefix-cached prefill) run one SDPA call each, causal without a mask when the
 whole context is new.
@@ -86,7 +86,7 @@ class AttentionPlan:
     decode_groups: list[_DecodeGroup] = field(default_factory=list)
     prefills: list[_Prefill] = field(default_factory=list)
     in_place_decode: _InPlaceDecode | None = None  # the decodes, when the CPU kernel serves them (no groups then)
-    cpu_kv_write: bool = False  # the cache is the CPU kernels' (float32 CPU): RoPE + K/V store run as one kernel call
+    cpu_kv_write: bool = False  # the CPU kernels serve this cache and activations: RoPE + K/V store run as one call
 
 
 def _check(attn: AttentionMetadata, num_tokens: int, num_blocks: int, bs: int) -> list[int]:
@@ -122,12 +122,14 @@ def _check(attn: AttentionMetadata, num_tokens: int, num_blocks: int, bs: int) -
     return slots
 
 
-def plan_attention(attn: AttentionMetadata, num_tokens: int, kv_cache: torch.Tensor) -> AttentionPlan:
+def plan_attention(attn: AttentionMetadata, num_tokens: int, kv_cache: torch.Tensor,
+                   activation_dtype: torch.dtype | None = None) -> AttentionPlan:
     """Validate ``attn`` against the batch and cache and precompute block gathers and masks.
 
     Args:
         num_tokens: T, the number of packed new tokens.
-        kv_cache: the 6-D cache (only its shape and device are used).
+        kv_cache: the 6-D cache (only its shape, dtype and device are used).
+        activation_dtype: the dtype of q/k/v (None: the cache's); the CPU kernels serve float32 activations only.
 
     Raises:
         ValueError: inconsistent lengths, block tables too short, ids out of range, or a slot_mapping
@@ -156,7 +158,7 @@ def plan_attention(attn: AttentionMetadata, num_tokens: int, kv_cache: torch.Ten
             prefills.append((start, qlen, slen, len(host)))
             host.append(torch.tensor(table[: -(-slen // bs)], dtype=torch.int64))
         start += qlen
-    cpu_kernels = paged_decode.usable(kv_cache)
+    cpu_kernels = paged_decode.usable(kv_cache, activation_dtype or kv_cache.dtype)
     in_place = _in_place_decode(decodes, bs, num_tokens) if decodes and cpu_kernels else None
     if in_place is not None:
         decodes = []
@@ -263,6 +265,8 @@ def paged_attention(qkv: torch.Tensor, kv_cache: torch.Tensor, layer: int, plan:
             o = F.scaled_dot_product_attention(qs, kc, vc, is_causal=True, enable_gqa=True)
         else:
             kc, vc = _gather(cache, p.blocks, p.seq_len)
+            if kc.dtype != qs.dtype:  # a 16-bit cache under float32 activations (the CPU kernels): widen (exact)
+                kc, vc = kc.to(qs.dtype), vc.to(qs.dtype)
             o = F.scaled_dot_product_attention(qs, kc, vc, attn_mask=p.mask, enable_gqa=True)
         out[p.start : p.start + p.qlen] = o[0].transpose(0, 1)
     return out.view(t, hq * d)

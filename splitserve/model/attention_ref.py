@@ -27,15 +27,15 @@ def reference_attention(qkv: torch.Tensor, kv_cache: torch.Tensor, layer: int, a
     q, k, v = qkv.split([num_heads, num_kv_heads, num_kv_heads], dim=1)
     dev = qkv.device
     slots = attn.slot_mapping.to(dev, torch.int64)
-    kv_cache[slots // bs, layer, 0, slots % bs] = k
-    kv_cache[slots // bs, layer, 1, slots % bs] = v
+    kv_cache[slots // bs, layer, 0, slots % bs] = k.to(kv_cache.dtype)  # float32 activations over a 16-bit
+    kv_cache[slots // bs, layer, 1, slots % bs] = v.to(kv_cache.dtype)  # cache (the CPU kernels): rounded
     out = torch.empty(t, num_heads, d, dtype=qkv.dtype, device=dev)
     start = 0
     for qlen, slen, table in zip(attn.query_lens, attn.seq_lens, attn.block_tables):
         pos = torch.arange(slen, device=dev)
         blocks = torch.tensor(table, dtype=torch.int64, device=dev)[pos // bs]
-        kc = kv_cache[blocks, layer, 0, pos % bs].transpose(0, 1).repeat_interleave(groups, dim=0)  # [Hq, S, D]
-        vc = kv_cache[blocks, layer, 1, pos % bs].transpose(0, 1).repeat_interleave(groups, dim=0)
+        kc = kv_cache[blocks, layer, 0, pos % bs].transpose(0, 1).repeat_interleave(groups, dim=0).to(q.dtype)  # [Hq, S, D]
+        vc = kv_cache[blocks, layer, 1, pos % bs].transpose(0, 1).repeat_interleave(groups, dim=0).to(q.dtype)
         qs = q[start : start + qlen].transpose(0, 1)  # [Hq, qlen, D]
         mask = pos[None, :] <= torch.arange(slen - qlen, slen, device=dev)[:, None]  # [qlen, S]
         out[start : start + qlen] = F.scaled_dot_product_attention(qs, kc, vc, attn_mask=mask).transpose(0, 1)

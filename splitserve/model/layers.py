@@ -67,8 +67,9 @@ class TransposedLinear(nn.Module):
     transposed view): without AVX512-BF16/AMX, torch's reduced-precision GEMM was ~6x slower on a
     contiguous ``[in, out]`` operand. ``weight`` is the HF-shaped ``[out, in]`` view (a copy once packed).
 
-    :meth:`pack_for_cpu` replaces ``weight_t`` by ``packed``, 16-column panels ``[ceil(out/16), in, 16]`` that
-    splitserve's CPU GEMM kernel streams (:mod:`splitserve.kernels.cpu_gemm`; float32 on the CPU only).
+    :meth:`pack_for_cpu` replaces ``weight_t`` by ``packed``, 16-column panels ``[ceil(out/16), in, 16]`` in the
+    weight's dtype that splitserve's CPU GEMM kernel streams (:mod:`splitserve.kernels.cpu_gemm`; on the CPU only);
+    its inputs and outputs are then float32 whatever the weight's dtype (the bias is kept in float32).
     """
 
     def __init__(self, weight_t: torch.Tensor, bias: torch.Tensor | None):
@@ -86,9 +87,11 @@ class TransposedLinear(nn.Module):
         return cls(w.t().contiguous() if w.dtype == torch.float32 else w.t(), bias)
 
     def pack_for_cpu(self) -> None:
-        """Store the weight as the CPU kernel's panels (float32 CPU weights; the caller checked the kernel loads)."""
+        """Store the weight as the CPU kernel's panels (CPU weights; the caller checked the kernel loads)."""
         self.packed = nn.Parameter(cpu_gemm.pack(self.weight_t.t()), requires_grad=False)
         self.weight_t = None
+        if self.bias is not None:
+            self.bias = nn.Parameter(self.bias.float(), requires_grad=False)
 
     @property
     def weight(self) -> torch.Tensor:

@@ -5,9 +5,12 @@ dict loads directly. ``build_model`` constructs the module on the meta device an
 loaded tensors, so nothing is randomly initialised; it then fuses q/k/v into ``qkv_proj`` and gate/up
 into ``gate_up_proj``. The forward is plain ``torch``/``F`` calls per layer (no submodule calls): RMSNorm,
 one QKV GEMM, RoPE in place, paged attention, o_proj + residual in one ``addmm``, one gate/up GEMM,
-SiLU * up in place, down_proj + residual in one ``addmm``. float32 models on the CPU run the projections on
+SiLU * up in place, down_proj + residual in one ``addmm``. On the CPU (AVX2) every model runs the projections on
 splitserve's packed GEMM and the norms, SiLU * up and RoPE + K/V store on its layer kernels
-(:mod:`splitserve.kernels`), one call each.
+(:mod:`splitserve.kernels`), one call each. Activations are then float32 whatever ``--dtype`` says: bfloat16 and
+float16 set how weights and the KV cache are stored (half the bytes a decode step reads and a KV block moves), and
+they are widened to float32 as the kernels read them (weight-only reduced precision: CPUs without bf16/fp16
+arithmetic, such as AVX2 ones, would otherwise run torch's emulated 16-bit GEMMs, ~10x slower here).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch.nn.functional as F
 
 from splitserve.kernels import build as kernels_build
 from splitserve.kernels import cpu_gemm, layer_ops
+from splitserve.kernels.decoder_layer import LayerWeights, decoder_layer
 from splitserve.model.attention import AttentionMetadata, AttentionPlan, paged_attention, plan_attention
 from splitserve.model.attention_ref import reference_attention
 from splitserve.model.attention_static import StaticDecodePlan, static_decode_attention
@@ -85,6 +89,18 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, torch_dtype(cfg.dtype))
         self.norm_shape = (cfg.hidden_size,)
         self.cpu_layer_ops = False  # CausalLM.pack_for_cpu: norms on splitserve's CPU kernel
+        self.fused: LayerWeights | None = None  # CausalLM.pack_for_cpu: decode-only steps run the layer as one call
+
+    def fused_weights(self) -> LayerWeights | None:
+        """The packed weights for :func:`~splitserve.kernels.decoder_layer.decoder_layer` (after ``pack_for_cpu``);
+        None for layers with q/k norms (Qwen3), which run the Python layer."""
+        a, m = self.self_attn, self.mlp
+        if a.q_norm is not None:
+            return None
+        n1, n2 = self.input_layernorm, self.post_attention_layernorm
+        return LayerWeights(n1.weight, n2.weight, n1.eps, a.qkv_proj.packed, a.qkv_proj.bias, a.o_proj.packed,
+                            a.o_proj.bias, m.gate_up_proj.packed, m.down_proj.packed, a.num_heads, a.num_kv_heads,
+                            a.head_dim, m.intermediate)
 
     def norm(self, x: torch.Tensor, n: RMSNorm) -> torch.Tensor:
         if self.cpu_layer_ops:
@@ -120,7 +136,8 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=torch_dtype(cfg.dtype))
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.reference_attention = False
-        self.register_buffer("lm_head_packed", None, persistent=False)  # pack_for_cpu: an untied lm_head's panels
+        self.register_buffer("lm_head_packed", None, persistent=False)  # pack_for_cpu: the lm_head's panels
+        self.activation_dtype = torch_dtype(cfg.dtype)  # of the hidden states; float32 once pack_for_cpu ran
 
     def fuse_projections(self) -> None:
         """Fuse q/k/v and gate/up projections in place (after the HF-named weights are loaded)."""
@@ -129,15 +146,25 @@ class CausalLM(nn.Module):
             layer.mlp.fuse()
 
     def pack_for_cpu(self) -> None:
-        """Pack every projection (and an untied lm_head, as a copy beside its weight) for splitserve's CPU GEMM
-        kernel (:mod:`splitserve.kernels.cpu_gemm`) and run the norms and SiLU * up on its layer kernels
-        (:mod:`splitserve.kernels.layer_ops`); after ``fuse_projections``, float32 CPU weights only."""
+        """Pack every projection (and the lm_head, as a copy beside its weight, unless a float32 one is tied to the
+        embedding) for splitserve's CPU GEMM kernel (:mod:`splitserve.kernels.cpu_gemm`) and run the norms and
+        SiLU * up on its layer kernels (:mod:`splitserve.kernels.layer_ops`); after ``fuse_projections``, CPU weights.
+        Activations become float32 (``activation_dtype``): norm weights are widened to float32, 16-bit projection
+        weights stay 16-bit in their panels."""
         for layer in self.model.layers:
             layer.cpu_layer_ops = True
-            for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            attn = layer.self_attn
+            for proj in (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
                 proj.pack_for_cpu()
-        if not self.config.tie_word_embeddings:
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm):
+                if norm is not None:
+                    norm.weight = nn.Parameter(norm.weight.float(), requires_grad=False)
+        self.model.norm.weight = nn.Parameter(self.model.norm.weight.float(), requires_grad=False)
+        for layer in self.model.layers:
+            layer.fused = layer.fused_weights()
+        if not self.config.tie_word_embeddings or self.lm_head.weight.dtype != torch.float32:
             self.lm_head_packed = cpu_gemm.pack(self.lm_head.weight)
+        self.activation_dtype = torch.float32
 
     @property
     def packed_for_cpu(self) -> bool:
@@ -202,14 +229,24 @@ class CausalLM(nn.Module):
         if kv_cache.device != dev:
             raise ValueError(f"kv_cache is on {kv_cache.device} but the model is on {dev}")
         input_ids, positions = input_ids.to(dev), positions.to(dev)
-        plan = plan_attention(attn, input_ids.shape[0], kv_cache)
-        h = F.embedding(input_ids, self.model.embed_tokens.weight)
+        plan = plan_attention(attn, input_ids.shape[0], kv_cache, self.activation_dtype)
+        h = F.embedding(input_ids, self.model.embed_tokens.weight).to(self.activation_dtype)
         cos, sin = self.rotary.cos_sin(positions, max(attn.seq_lens), h.dtype)
         ref = self.reference_attention
-        for i, layer in enumerate(self.model.layers):
-            h = layer.forward(h, cos, sin, kv_cache, i, None if ref else plan, attn)
-            if attn.on_layer_done is not None:
-                attn.on_layer_done(i)
+        ip = plan.in_place_decode
+        if not ref and ip is not None and ip.tokens is None and self.model.layers[0].fused is not None:
+            t = input_ids.shape[0]  # a decode-only step on the CPU kernels: one call per layer
+            cos, sin = cos.reshape(t, -1), sin.reshape(t, -1)
+            for i, layer in enumerate(self.model.layers):
+                h = decoder_layer(h, layer.fused, cos, sin, kv_cache, i, plan.write_blocks, plan.write_offsets,
+                                  ip.block_tables, ip.seq_lens)
+                if attn.on_layer_done is not None:
+                    attn.on_layer_done(i)
+        else:
+            for i, layer in enumerate(self.model.layers):
+                h = layer.forward(h, cos, sin, kv_cache, i, None if ref else plan, attn)
+                if attn.on_layer_done is not None:
+                    attn.on_layer_done(i)
         if logits_indices is not None:
             h = h[logits_indices.to(dev)]
         elif plan.last_token_index is not None:
@@ -230,7 +267,7 @@ class CausalLM(nn.Module):
         Returns:
             float32 ``[B, vocab_size]`` logits.
         """
-        h = F.embedding(input_ids, self.model.embed_tokens.weight)
+        h = F.embedding(input_ids, self.model.embed_tokens.weight).to(self.activation_dtype)
         cos, sin = self.rotary.cos_sin(positions, max_position, h.dtype)
         for i, layer in enumerate(self.model.layers):
             h = layer.forward(h, cos, sin, kv_cache, i, plan)
@@ -269,7 +306,7 @@ def build_model(cfg: ModelConfig, state_dict: dict[str, torch.Tensor], device: s
         model.lm_head.weight = model.model.embed_tokens.weight
     model.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     model.fuse_projections()
-    if device == "cpu" and cfg.dtype == "float32" and kernels_build.load() is not None:
+    if device == "cpu" and kernels_build.load() is not None:
         model.pack_for_cpu()
     if device != "cpu":  # cast on the host (half the bytes for 16-bit dtypes), then one move; tied weights stay one
         model.to(device)
