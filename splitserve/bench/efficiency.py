@@ -19,6 +19,7 @@ colocated server both).
 
 from __future__ import annotations
 
+import gc
 import time
 
 import torch
@@ -120,6 +121,8 @@ def measure(lm: LoadedModel, threads: tuple[int, ...] = (1, 2), batch: int = 8, 
     """All measurements for each thread count (restores the previous thread count), on the model's device."""
     device = str(lm.model.lm_head.weight.device)
     dtype = lm.model.lm_head.weight.dtype
+    gc.collect()  # as the servers do once started: the loaded model's objects out of the collections a step triggers
+    gc.freeze()
     before = torch.get_num_threads()
     rows = []
     try:

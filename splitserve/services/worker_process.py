@@ -9,6 +9,7 @@ only its shared fields are used here.
 
 from __future__ import annotations
 
+import gc
 import inspect
 import logging
 from dataclasses import dataclass
@@ -75,6 +76,8 @@ class WorkerServer:
         """SERVING until SIGTERM/SIGINT, then drain (waiting also while ``busy()``), stop, and call ``closers``
         (sync or async) in order; a closer that fails is logged and the next ones still run."""
         services = [self.service, *self.extra_services]
+        gc.collect()  # start-up objects (model, tokenizer, servers) to the permanent generation: the collections that
+        gc.freeze()  # allocation triggers during decode steps stop walking them (~10% of a small model's step)
         await set_serving(self.health, services)
         stats_log = start_stats_log(f"{self.role} worker", self.engine.stats, config.stats_log_interval_s) if self.engine else None
         try:
