@@ -136,3 +136,11 @@ def test_float32_cpu_decode_steps_plan_the_kernel_and_others_do_not(monkeypatch)
     assert plan_attention(meta, 2, bf16_cache, torch.float32).in_place_decode is not None  # float32 over bf16 KV
     monkeypatch.setenv("PD_CPU_KERNELS", "0")
     assert plan_attention(meta, 2, torch.zeros(4, 1, 2, 4, 1, 8)).in_place_decode is None
+
+
+def test_a_build_lock_left_by_a_killed_builder_is_cleared_not_waited_on(tmp_path):
+    """torch's FileBaton ``lock`` stays behind when its builder dies; under splitserve's flock it can only be stale."""
+    (tmp_path / "lock").touch()
+    assert build.clear_stale_torch_lock(tmp_path)
+    assert not (tmp_path / "lock").exists()
+    assert not build.clear_stale_torch_lock(tmp_path)

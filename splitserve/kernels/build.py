@@ -6,13 +6,14 @@ packed GEMM, :mod:`~splitserve.kernels.paged_decode`'s decode attention), ``cpu_
 The extension is compiled by :func:`torch.utils.cpp_extension.load` (g++ and ninja; ~1 minute, once per source
 and torch version) into ``$PD_KERNEL_CACHE`` (default ``~/.cache/splitserve/kernels``); ``make install`` builds
 it (``python -m splitserve.kernels.build``), and a process that finds no build makes one (processes that start
-together wait on torch's build lock). Used only on a CPU with AVX2, FMA and F16C (every AVX2 CPU has the last two),
-for float32, bfloat16 and float16 models on the CPU, and never when ``PD_CPU_KERNELS=0``; if the build fails the
-model runs on torch (``torch.mm``, SDPA) and one warning says why.
+together take turns on an ``flock``, which a killed builder cannot leave held). Used only on a CPU with AVX2, FMA
+and F16C (every AVX2 CPU has the last two), for float32, bfloat16 and float16 models on the CPU, and never when
+``PD_CPU_KERNELS=0``; if the build fails the model runs on torch (``torch.mm``, SDPA) and one warning says why.
 """
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import importlib.util
@@ -93,20 +94,39 @@ def _load() -> ModuleType | None:
         if built.exists():  # a finished build of this very source: import it (no compiler or write access needed)
             return _import(name, built)
         build_dir.mkdir(parents=True, exist_ok=True)
-        _with_ninja_on_path()
-        from torch.utils.cpp_extension import load as load_extension
+        with open(build_dir / "splitserve.lock", "w") as held:
+            fcntl.flock(held, fcntl.LOCK_EX)  # one builder at a time; the OS lets go if the holder dies
+            if built.exists():  # another process built it while this one waited
+                return _import(name, built)
+            clear_stale_torch_lock(build_dir)
+            _with_ninja_on_path()
+            from torch.utils.cpp_extension import load as load_extension
 
-        started = time.monotonic()
-        logger.info("building splitserve's CPU kernels into %s (once, about a minute)", build_dir)
-        module = load_extension(name=name, sources=[str(p) for p in SOURCES], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
-                                build_directory=str(build_dir), verbose=False)
-        logger.info("built splitserve's CPU kernels in %.0f s", time.monotonic() - started)
-        return module
+            started = time.monotonic()
+            logger.info("building splitserve's CPU kernels into %s (once, about a minute)", build_dir)
+            module = load_extension(name=name, sources=[str(p) for p in SOURCES], extra_cflags=CFLAGS,
+                                    extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
+            logger.info("built splitserve's CPU kernels in %.0f s", time.monotonic() - started)
+            return module
     except Exception as exc:  # no compiler, no ninja, a read-only cache: run on torch.mm
         lines = str(exc).strip().splitlines()
         logger.warning("CPU kernels unavailable (%s: %s); models run on torch.mm and SDPA", type(exc).__name__,
                        lines[-1] if lines else "")
         return None
+
+
+def clear_stale_torch_lock(build_dir: Path) -> bool:
+    """Remove torch's build lock file (``lock``, its FileBaton) from ``build_dir``; True if there was one.
+
+    Call only while holding ``splitserve.lock`` (every splitserve builder takes it first): torch's file stays behind
+    when its builder is killed, and every later build would then wait on it forever (seen when a test killed a worker
+    that was compiling)."""
+    stale = build_dir / "lock"
+    if not stale.exists():
+        return False
+    logger.warning("removing a stale kernel build lock left by a killed build: %s", stale)
+    stale.unlink(missing_ok=True)
+    return True
 
 
 def _import(name: str, path: Path) -> ModuleType:
