@@ -379,11 +379,18 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   return out;
 }
 
+// Every kernel lets go of the GIL while it runs (they touch no Python object): a server's HTTP/gRPC threads keep
+// streaming tokens while the engine thread is inside a kernel. Holding it, a one-call decoder layer (~1 ms) starved
+// them: a colocated server's SSE tokens left in bursts (ITL p50 0.1 ms, TTFT up; peers run of 2026-12-02 15:37).
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("packed_gemm", &packed_gemm, "residual + x @ W^T over a 16-column panel-packed W (fp32, AVX2/FMA)");
-  m.def("paged_decode_attention", &paged_decode_attention, "decode attention read in place from the paged KV cache");
-  m.def("rms_norm", &rms_norm, "RMSNorm of every row (fp32)");
-  m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate/up output (fp32)");
-  m.def("rope_write_kv", &rope_write_kv, "RoPE of q and k in place, then K/V rows stored in the paged KV cache");
-  m.def("decoder_layer", &decoder_layer, "one decoder layer of a decode-only step (the kernels above, in one call)");
+  using release = py::call_guard<py::gil_scoped_release>;
+  m.def("packed_gemm", &packed_gemm, "residual + x @ W^T over a 16-column panel-packed W (fp32, AVX2/FMA)", release());
+  m.def("paged_decode_attention", &paged_decode_attention, "decode attention read in place from the paged KV cache",
+        release());
+  m.def("rms_norm", &rms_norm, "RMSNorm of every row (fp32)", release());
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate/up output (fp32)", release());
+  m.def("rope_write_kv", &rope_write_kv, "RoPE of q and k in place, then K/V rows stored in the paged KV cache",
+        release());
+  m.def("decoder_layer", &decoder_layer, "one decoder layer of a decode-only step (the kernels above, in one call)",
+        release());
 }
