@@ -114,3 +114,20 @@ def test_transformers_reads_the_folder_as_splitserve_does(written):
     import asyncio
 
     assert asyncio.run(_greedy(lm, ids, 8)) == ref_toks
+
+
+@pytest.mark.slow
+async def test_the_bf16_gguf_holds_the_folders_weights_rounded_as_torch_rounds_them(written, tmp_path):
+    """make_bf16_gguf.py (llama.cpp at bf16): the GGUF loads as bfloat16 (--dtype auto) with the HF folder's weights
+    cast to bfloat16, bit for bit, so both engines of a bf16 peers run start from the same numbers."""
+    import subprocess
+    import sys
+
+    _, folder, _ = written
+    subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "peers" / "make_bf16_gguf.py"), "--out", str(tmp_path),
+                    "--model-dir", str(folder.parent)], check=True, capture_output=True, cwd=REPO_ROOT)
+    from_gguf = load_model(tmp_path / "llama-25m-seed0.gguf", "auto")
+    from_folder = load_model(tmp_path / "llama-25m-seed0", "bfloat16")
+    assert from_gguf.config.dtype == "bfloat16"
+    a, b = from_gguf.model.state_dict(), from_folder.model.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
