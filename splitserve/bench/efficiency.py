@@ -141,6 +141,7 @@ def measure(lm: LoadedModel, threads: tuple[int, ...] = (1, 2), batch: int = 8, 
                          "prefill_tokens": prompt, "prefill_tok_s": tok_s, "prefill_GFLOPs": flop_s / 1e9})
     finally:
         torch.set_num_threads(before)
+        gc.unfreeze()  # the caller's objects back to the collector as they were
     return rows
 
 

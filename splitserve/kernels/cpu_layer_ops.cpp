@@ -175,7 +175,10 @@ void rope_write_kv(const torch::Tensor& qkv, const torch::Tensor& cos, const tor
   const float* cp = cos.data_ptr<float>();
   const float* sp = signed_sin.data_ptr<float>();
   const int64_t half = D / 2;
-  const auto ct = kv_cache.scalar_type();
+  const auto ct = kv_cache.scalar_type();  // the cache's pointer, typed once (not per token)
+  float* cache_f32 = ct == torch::kFloat ? kv_cache.data_ptr<float>() : nullptr;
+  c10::BFloat16* cache_bf16 = ct == torch::kBFloat16 ? kv_cache.data_ptr<c10::BFloat16>() : nullptr;
+  c10::Half* cache_f16 = ct == torch::kHalf ? kv_cache.data_ptr<c10::Half>() : nullptr;
 #pragma omp parallel for num_threads(row_threads(T, H * D)) schedule(static)
   for (int64_t t = 0; t < T; ++t) {
     const float* c = cp + t * D;
@@ -197,8 +200,8 @@ void rope_write_kv(const torch::Tensor& qkv, const torch::Tensor& cos, const tor
       }
     }
     float* row = xp + t * H * D;
-    if (ct == torch::kFloat) store_kv(row, H, D, Hkv, kv_cache.data_ptr<float>(), blk[t], L, layer, bs, off[t]);
-    else if (ct == torch::kBFloat16) store_kv(row, H, D, Hkv, kv_cache.data_ptr<c10::BFloat16>(), blk[t], L, layer, bs, off[t]);
-    else store_kv(row, H, D, Hkv, kv_cache.data_ptr<c10::Half>(), blk[t], L, layer, bs, off[t]);
+    if (cache_f32) store_kv(row, H, D, Hkv, cache_f32, blk[t], L, layer, bs, off[t]);
+    else if (cache_bf16) store_kv(row, H, D, Hkv, cache_bf16, blk[t], L, layer, bs, off[t]);
+    else store_kv(row, H, D, Hkv, cache_f16, blk[t], L, layer, bs, off[t]);
   }
 }
