@@ -239,7 +239,8 @@ def parse(argv: list[str] | None = None) -> UpConfig:
     ap.add_argument("--kv-cache-mb", type=int, default=env_int("PD_KV_CACHE_MB", 256),
                     help="KV block pool of each worker, MiB (PD_KV_CACHE_MB)")
     ap.add_argument("--dtype", default=env_choice("PD_DTYPE", DTYPE_CHOICES, "auto"), choices=DTYPE_CHOICES,
-                    help="workers' weights and KV cache dtype (PD_DTYPE; auto: the checkpoint's)")
+                    help="workers' weights and KV cache dtype (PD_DTYPE; auto: the checkpoint's; on the CPU kernels "
+                         "bfloat16/float16 are weight-only: 16-bit storage, float32 arithmetic)")
     ap.add_argument("--device", default=env_str("PD_DEVICE", "cpu"),
                     help=f"every worker's compute device: {DEVICE_HELP} (PD_DEVICE; each worker checks it can use it)")
     ap.add_argument("--enforce-eager", action="store_true", default=env_bool("PD_ENFORCE_EAGER"),

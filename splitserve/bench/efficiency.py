@@ -148,7 +148,11 @@ def measure(lm: LoadedModel, threads: tuple[int, ...] = (1, 2), batch: int = 8, 
 def format_rows(rows: list[dict], model: str) -> str:
     """Markdown lines for ``measure`` output (rows without "dtype" are float32)."""
     dtype = rows[0].get("dtype", "float32") if rows else "float32"
-    out = [f"Engine efficiency ({model}, {dtype}):", "",
+    note = [] if dtype == "float32" else [
+        f"(torch's {dtype} peak is its own {dtype} GEMM, emulated on a CPU without {dtype} arithmetic such as AVX2: a "
+        "prefill above 100% of it is possible. splitserve's CPU kernels compute in float32, so the float32 peak is "
+        "their compute bound.)", ""]
+    out = [f"Engine efficiency ({model}, {dtype}):", "", *note,
            "| threads | memcpy GB/s | decode step (ms) | bandwidth bound (ms) | step ÷ bound | read GB/s (same size) "
            f"| decode reads at ÷ read | prefill tok/s | prefill GFLOP/s | torch {dtype} matmul peak GFLOP/s "
            "| prefill ÷ peak |" + ("" if dtype == "float32" else " float32 peak GFLOP/s | prefill ÷ float32 peak |"),

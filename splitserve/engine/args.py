@@ -52,7 +52,8 @@ def add_engine_args(ap: argparse.ArgumentParser, *, prefix_caching: bool = True)
                          "fight over cores; empty: no pinning")
     ap.add_argument("--dtype", default=env_choice("PD_DTYPE", DTYPE_CHOICES, "auto"), choices=DTYPE_CHOICES,
                     help="weights and KV cache dtype; auto = the checkpoint's (config.json torch_dtype; a GGUF "
-                         "file's weight type, float32 for quantized ones)")
+                         "file's weight type, float32 for quantized ones). On the CPU kernels bfloat16/float16 "
+                         "are weight-only: 16-bit storage, float32 arithmetic")
     ap.add_argument("--max-model-len", type=int, default=env_int("PD_MAX_MODEL_LEN", 0),
                     help="context limit in tokens (prompt + output); 0 = the model's; above it is a start-up error")
     ap.add_argument("--transport", default=env_choice("PD_KV_TRANSPORT", TRANSPORTS, "ucx"), choices=TRANSPORTS, help="KV transfer backend")

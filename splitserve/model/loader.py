@@ -5,6 +5,8 @@ Without weights use :func:`splitserve.model.info.load_model_info`, which does no
 
 from __future__ import annotations
 
+import logging
+
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +42,8 @@ class LoadedModel:
     max_model_len: int
 
 
+logger = logging.getLogger(__name__)
+
 _WITH_WEIGHTS = {"synthetic": load_synthetic, "hf": load_hf_folder, "gguf": load_gguf_file}
 
 
@@ -63,9 +67,13 @@ def load_model(path: str | Path, dtype: str = "float32", *, weights: bool = True
     source = model_source(path)
     parts = _WITH_WEIGHTS[source.kind](source.location, dtype) if weights else read_parts(source, dtype)
     info = info_of(parts, source.name)
+    model = build_model(parts.config, parts.state_dict, device) if weights else None
+    if model is not None:  # which path runs it: a worker's log says whether the CPU kernels serve this dtype
+        path = "splitserve's CPU kernels, float32 activations" if model.packed_for_cpu else "torch"
+        logger.info("loaded %s: %s weights and KV cache on %s, on %s", info.model_id, parts.config.dtype, device, path)
     return LoadedModel(
         config=info.config,
-        model=build_model(parts.config, parts.state_dict, device) if weights else None,
+        model=model,
         tokenizer=info.tokenizer,
         model_id=info.model_id,
         eos_token_ids=info.eos_token_ids,
